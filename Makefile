@@ -1,0 +1,35 @@
+# Two commands set everything up from nothing: `make train` and `make test`.
+# GPU users: `make train TORCH_SPEC="torch"` (or a CUDA wheel spec) to take a CUDA build instead.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.multiloss-installed
+
+.PHONY: setup train test lint clean
+
+setup: $(STAMP)
+
+# Torch first: with it already satisfied, pip does not pull a multi-GB CUDA build for `torch>=2.4`.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+train: $(STAMP)
+	$(BIN)/python train.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) outputs multirun

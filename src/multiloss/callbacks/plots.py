@@ -1,0 +1,70 @@
+"""Pictures written into the run dir when training ends."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+
+def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
+    """The rows of the run's ``metrics.csv`` (flushed first); empty without a CSVLogger."""
+    csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+    if csv_logger is None:
+        return []
+    csv_logger.save()
+    path = Path(csv_logger.experiment.metrics_file_path)
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+class LossCurves(L.Callback):
+    """At the end of fit, plots every logged column starting with ``prefix`` (one line each) to a PNG.
+
+    Reads the CSVLogger's ``metrics.csv`` rather than keeping a second copy of the history.
+    """
+
+    def __init__(self, dirpath: str, filename: str = "loss_curves.png", prefix: str = "loss/") -> None:
+        self.path = Path(dirpath) / filename
+        self.prefix = prefix
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        curves: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+        for row in read_metrics(trainer):
+            for name, value in row.items():
+                if name.startswith(self.prefix) and value not in ("", None):
+                    steps, values = curves[name]
+                    steps.append(float(row["step"]))
+                    values.append(float(value))
+        if not curves:
+            rank_zero_warn(f"LossCurves: no '{self.prefix}*' columns in a metrics.csv; {self.path} not written")
+            return
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in sorted(curves):
+            steps, values = curves[name]
+            ax.plot(steps, values, label=name, linewidth=2.2 if name.endswith("total") else 1.2)
+        if all(v > 0 and math.isfinite(v) for _, vs in curves.values() for v in vs):
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(f"{type(pl_module).__name__}: loss components")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(self.path, dpi=110)
+        plt.close(fig)

@@ -1,0 +1,20 @@
+"""What ``python train.py`` does with a composed config: run it, or print a user error cleanly."""
+
+from __future__ import annotations
+
+import rich.console
+import rich.markup
+from omegaconf import DictConfig
+
+from multiloss.config import ConfigError
+from multiloss.training import train
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    try:
+        return train(cfg)
+    except ConfigError as err:
+        # A user error gets one message, not a traceback wall; exit code 2 like argparse.
+        console = rich.console.Console(stderr=True, highlight=False)
+        console.print(f"[bold red]multiloss: config error:[/] {rich.markup.escape(err.message)}")
+        raise SystemExit(2) from None

@@ -1,0 +1,37 @@
+"""The one exception a user's configuration mistake turns into."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting the run cannot accept: names the dotted key, the value and what would be accepted.
+
+    Raised before training starts; `python train.py` prints the message alone (no traceback) and
+    exits non-zero. Recipes raise it with a key relative to their own config node (``n_critic``);
+    ``train`` re-raises it under the node's name (``model.n_critic``).
+    """
+
+    def __init__(self, key: str, value: Any, accepted: str, problem: str | None = None) -> None:
+        self.key, self.value, self.accepted, self.problem = key, value, accepted, problem
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        shown = self.value if isinstance(self.value, str) and self.key.endswith("_target_") else repr(self.value)
+        head = f"{self.key}={shown}"
+        if self.problem:
+            head += f": {self.problem}"
+        return f"{head}\n  accepted: {self.accepted}"
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error, with its key moved under ``prefix`` (``n_critic`` -> ``model.n_critic``)."""
+        key = f"{prefix}.{self.key}" if prefix and self.key else prefix or self.key
+        return ConfigError(key, self.value, self.accepted, self.problem)
+
+
+def require(ok: bool, key: str, value: Any, accepted: str, problem: str | None = None) -> None:
+    """Raise `ConfigError` unless ``ok``; the one-line guard recipes and data modules use."""
+    if not ok:
+        raise ConfigError(key, value, accepted, problem)

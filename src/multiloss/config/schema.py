@@ -1,0 +1,33 @@
+"""Typed top-level keys of the composed config (Hydra structured config).
+
+Registered in Hydra's ConfigStore as ``train_schema`` and listed first in ``configs/train.yaml``'s
+defaults, so Hydra itself rejects ``seed=abc`` with the key and value before our code runs.
+The component nodes (``data``, ``model``, ``trainer``, ...) stay free-form here: they are checked
+against the signatures of their ``_target_`` classes by `multiloss.config.validate`, which
+follows Lightning's own argument list instead of a hand-copied one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TrainSchema:
+    seed: int = 0
+    ckpt_path: str | None = None
+    print_config: bool = True
+    data: Any = MISSING
+    model: Any = MISSING
+    trainer: Any = MISSING
+    logger: Any = None
+    callbacks: Any = None
+    paths: Any = MISSING
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainSchema)

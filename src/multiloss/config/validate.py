@@ -1,0 +1,172 @@
+"""Checks a composed config before anything is built or written.
+
+Every node with a ``_target_`` is checked against the signature of what it names: unknown keys
+(with the closest accepted names), values of the wrong type (by the target's own annotations,
+with typeguard), required arguments left unset. Lightning's ``Trainer`` is checked the same way,
+so the accepted keys are Lightning's own and never drift. Value ranges are each component's own
+business: recipes and data modules raise `ConfigError` from their ``__init__``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from typeguard import CollectionCheckStrategy, TypeCheckError, check_type
+
+from multiloss.config.errors import ConfigError, require
+
+# Arguments that `train` passes itself when it instantiates a node, so the config must not set them.
+_PASSED_BY_TRAIN = {"lightning.pytorch.trainer.trainer.Trainer": {"callbacks", "logger"}}
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` for the first problem found in ``cfg``; return quietly if there is none."""
+    for key in ("data", "model", "trainer"):
+        require(isinstance(cfg.get(key), DictConfig), key, cfg.get(key), "a config node with a `_target_`")
+        check_node(cfg[key], key)
+    for group in ("callbacks", "logger"):
+        for name, node in (cfg.get(group) or {}).items():
+            if node is not None:
+                check_node(node, f"{group}.{name}")
+    require(
+        cfg.trainer.get("use_distributed_sampler", False) is False,
+        "trainer.use_distributed_sampler",
+        cfg.trainer.get("use_distributed_sampler"),
+        "false (multiloss's loaders shard by rank themselves, honour data.shuffle and resume mid-epoch; "
+        "Lightning's replacement sampler would undo all three)",
+    )
+    ckpt = cfg.get("ckpt_path")
+    if ckpt is not None:
+        require(Path(ckpt).is_file(), "ckpt_path", ckpt, "the path of an existing checkpoint file (.ckpt)",
+                "no such file")
+
+
+def check_node(node: DictConfig, path: str) -> None:
+    """Check one ``_target_`` node (and the ``_target_`` nodes inside it) against its signature."""
+    target_name = node.get("_target_")
+    require(isinstance(target_name, str), f"{path}._target_", target_name, "a dotted import path")
+    try:
+        target = get_object(target_name)
+    except Exception as err:  # ImportError, AttributeError, ... all mean the same to a user
+        raise ConfigError(f"{path}._target_", target_name, "an importable class or function",
+                          f"cannot import it ({err.__class__.__name__}: {err})") from None
+    params, open_kwargs = _parameters(target)
+    passed_by_train = _PASSED_BY_TRAIN.get(_qualname(target), set())
+    hints = _type_hints(target)
+    is_partial = bool(node.get("_partial_", False))
+
+    for key in node:
+        key = str(key)
+        if key.startswith("_"):
+            continue
+        where = f"{path}.{key}"
+        if key in passed_by_train:
+            raise ConfigError(where, OmegaConf.to_container(node)[key], "not set here",
+                              f"multiloss passes `{key}` itself (configure the `{key}` group instead)")
+        if key not in params and not open_kwargs:
+            close = difflib.get_close_matches(key, params, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ConfigError(where, _plain(node, key), f"{hint}arguments of {target_name}: {', '.join(sorted(params))}",
+                              "unknown key")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and "_target_" in child:
+            check_node(child, where)
+            continue
+        if key in hints:
+            _check_type(where, _plain(node, key), hints[key])
+
+    if not is_partial:
+        missing = [n for n, p in params.items()
+                   if p.default is inspect.Parameter.empty and n not in node and n not in passed_by_train]
+        if missing:
+            raise ConfigError(f"{path}.{missing[0]}", None, f"a value for each of: {', '.join(missing)}",
+                              f"required by {target_name} but not set")
+
+
+def _parameters(target: Any) -> tuple[dict[str, inspect.Parameter], bool]:
+    """Named parameters of a class or callable; a class's ``**kwargs`` is followed up its MRO."""
+    params: dict[str, inspect.Parameter] = {}
+    callables = [c.__init__ for c in inspect.getmro(target) if "__init__" in vars(c)] if inspect.isclass(target) \
+        else [target]
+    for fn in callables:
+        sig = inspect.signature(fn)
+        for name, p in sig.parameters.items():
+            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                params.setdefault(name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            return params, False
+    return params, True
+
+
+def _type_hints(target: Any) -> dict[str, Any]:
+    hints: dict[str, Any] = {}
+    fns = [c.__init__ for c in reversed(inspect.getmro(target)) if "__init__" in vars(c)] \
+        if inspect.isclass(target) else [target]
+    for fn in fns:
+        try:
+            hints.update(typing.get_type_hints(fn))
+        except Exception:  # unresolvable forward references: skip the type check, keep the key check
+            continue
+    hints.pop("return", None)
+    return hints
+
+
+def _check_type(where: str, value: Any, annotation: Any) -> None:
+    for candidate in (value, tuple(value) if isinstance(value, list) else value):
+        try:
+            check_type(candidate, annotation, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS)
+            return
+        except TypeCheckError:
+            continue
+    raise ConfigError(where, value, describe(annotation), "wrong type")
+
+
+def describe(annotation: Any) -> str:
+    """A short human reading of a type annotation: ``int``, ``one of 'a', 'b'``, ``list of float``."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (Union, types.UnionType):
+        parts = [describe(a) for a in typing.get_args(annotation) if a is not type(None)]
+        text = " or ".join(dict.fromkeys(parts))
+        return text + (" or null" if type(None) in typing.get_args(annotation) else "")
+    if origin in (list, tuple, set, typing.get_origin(typing.Sequence), typing.get_origin(typing.Iterable)):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        return f"list of {describe(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    if origin is not None and isinstance(origin, type) and issubclass(origin, Callable):  # type: ignore[arg-type]
+        return "callable"
+    if annotation is Any:
+        return "any value"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _plain(node: DictConfig, key: str) -> Any:
+    value = node._get_node(key)
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return node[key]
+
+
+def _qualname(target: Any) -> str:
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def iter_target_nodes(cfg: DictConfig, path: str = "") -> Iterator[tuple[str, DictConfig]]:
+    """Every ``_target_`` node in ``cfg`` with its dotted path (outermost first)."""
+    if "_target_" in cfg:
+        yield path, cfg
+        return
+    for key in cfg:
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig):
+            yield from iter_target_nodes(child, f"{path}.{key}" if path else str(key))

@@ -1,0 +1,95 @@
+"""In-memory tensors served by loaders that make runs reproducible, shardable and resumable.
+
+Why not a plain ``DataLoader``: Lightning's automatic ``DistributedSampler`` always shuffles the
+training set (``data.shuffle=false`` is silently ignored under DDP) and neither it nor a
+``RandomSampler`` restores its order on resume. Here the training order is a pure function of
+(seed, epoch), sharded by rank, honouring ``shuffle``, and the loader (torchdata's
+``StatefulDataLoader``) plus sampler (``StatefulDistributedSampler``) carry their position through
+the checkpoint, so ``ckpt_path=`` continues mid-epoch on exactly the next batch. The trainer runs
+with ``use_distributed_sampler=False`` so Lightning keeps its hands off.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, StackDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from multiloss.config import require
+
+
+class ArrayDataModule(L.LightningDataModule):
+    """Base for data that fits in memory: subclasses implement `load` and return named tensors.
+
+    Batches are dicts of those names (``batch["x"]``, ``batch["y"]``). ``batch_size`` is per rank.
+
+    Raises:
+        ConfigError: ``batch_size`` < 1, ``num_workers`` < 0, ``val_fraction`` outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        split_seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__()
+        require(batch_size >= 1, "batch_size", batch_size, "an integer ≥ 1")
+        require(num_workers >= 0, "num_workers", num_workers, "an integer ≥ 0 (0 loads in the main process)")
+        require(0 <= val_fraction < 1, "val_fraction", val_fraction, "a number in [0, 1)")
+        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
+        self.val_fraction, self.seed, self.split_seed, self.drop_last = val_fraction, seed, split_seed, drop_last
+        self.train_set: StackDataset | None = None
+        self.val_set: StackDataset | None = None
+
+    def load(self) -> dict[str, torch.Tensor]:
+        """All examples as named tensors sharing their first dimension."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        arrays = self.load()
+        n = len(next(iter(arrays.values())))
+        # The split never depends on the training seed: changing `seed` must not change the val set.
+        order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
+        n_val = int(round(n * self.val_fraction))
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        self.train_set = StackDataset(**{k: v[train_idx] for k, v in arrays.items()})
+        self.val_set = StackDataset(**{k: v[val_idx] for k, v in arrays.items()})
+
+    def _ranks(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        world_size, rank = self._ranks()
+        sampler = StatefulDistributedSampler(
+            self.train_set, num_replicas=world_size, rank=rank, shuffle=self.shuffle, seed=self.seed,
+            drop_last=self.drop_last,
+        )
+        return StatefulDataLoader(
+            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+            drop_last=self.drop_last, persistent_workers=self.num_workers > 0,
+            # Its own generator, so creating an iterator never draws from the global RNG that the
+            # model's noise and dropout use (that would break exact resume).
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        world_size, rank = self._ranks()
+        # Unrepeated: every validation example is seen exactly once across ranks (no padding).
+        sampler = UnrepeatedDistributedSampler(self.val_set, num_replicas=world_size, rank=rank, shuffle=False) \
+            if world_size > 1 else None
+        return DataLoader(
+            self.val_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed),
+        )

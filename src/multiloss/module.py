@@ -1,0 +1,35 @@
+"""What every recipe's LightningModule shares: its optimizer from the config, and loss logging."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import lightning as L
+import torch
+from torch.optim import Optimizer
+
+OptimizerFactory = Callable[..., Optimizer]
+
+
+class RecipeModule(L.LightningModule):
+    """Base of the single-optimizer recipes: ``optimizer`` is a Hydra ``_partial_`` (``model.optimizer``)."""
+
+    def __init__(self, optimizer: OptimizerFactory) -> None:
+        super().__init__()
+        self.optimizer_factory = optimizer
+
+    def configure_optimizers(self) -> Optimizer:
+        return self.optimizer_factory(self.parameters())
+
+    def log_losses(self, losses: Mapping[str, torch.Tensor], prefix: str = "loss/", batch_size: int | None = None):
+        """Log each component under its own name (``loss/head0``, ...) beside the total.
+
+        Training values are logged per step (the curves); validation values per epoch, averaged
+        over all ranks.
+        """
+        training = self.training
+        self.log_dict(
+            {f"{prefix}{name}": value.detach() for name, value in losses.items()},
+            on_step=training, on_epoch=not training, sync_dist=not training, batch_size=batch_size,
+            prog_bar=False,
+        )

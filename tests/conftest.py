@@ -1,0 +1,62 @@
+"""Shared fixtures: compose the real Hydra config the way `python train.py` does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+import multiloss  # noqa: F401  (registers the schema and the --help resolver)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"
+# Quiet and quick: no progress bar, no config tree, no model summary.
+QUIET = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false")
+
+
+def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
+    """The composed config of ``python train.py <overrides> hydra.run.dir=<output_dir>``."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg
+
+
+@pytest.fixture
+def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
+    def make(*overrides: str, output_dir: Path | str | None = None, quiet: bool = True) -> DictConfig:
+        out = Path(output_dir) if output_dir is not None else tmp_path / "run"
+        return compose_config([*(QUIET if quiet else ()), *overrides], out)
+
+    return make
+
+
+def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` in a subprocess, as a user runs it."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    # Two cores: intra-op threads beyond that only add contention between tests and DDP ranks.
+    torch.set_num_threads(1)
