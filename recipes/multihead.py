@@ -16,6 +16,8 @@ both per-head alternatives) and the graph is walked once.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,16 +60,25 @@ class MultiHead(RecipeModule):
         require(width >= 1, "width", width, "an integer ≥ 1")
         require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
         weights = [1.0] * depth if head_weights is None else [float(w) for w in head_weights]
-        require(len(weights) == depth, "head_weights", head_weights,
-                f"one weight per head: {depth} numbers (model.depth={depth})", "wrong length")
-        require(all(w >= 0 for w in weights) and sum(weights) > 0, "head_weights", head_weights,
-                "non-negative numbers, not all zero")
+        require(
+            len(weights) == depth,
+            "head_weights",
+            head_weights,
+            f"one weight per head: {depth} numbers (model.depth={depth})",
+            "wrong length",
+        )
+        require(
+            all(w >= 0 for w in weights) and sum(weights) > 0,
+            "head_weights",
+            head_weights,
+            "non-negative numbers, not all zero",
+        )
         # The optimizer factory stays out: checkpoints then load with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["optimizer"], logger=False)
         self.head_weights = weights
 
         sizes = [in_features] + [width] * depth
-        self.blocks = nn.ModuleList(dense_block(a, b, dropout, batch_norm) for a, b in zip(sizes, sizes[1:]))
+        self.blocks = nn.ModuleList(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes))
         self.heads = nn.ModuleList(nn.Linear(width, num_classes) for _ in range(depth))
         self.val_acc = nn.ModuleList(MulticlassAccuracy(num_classes, average="micro") for _ in range(depth))
 

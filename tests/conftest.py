@@ -19,8 +19,12 @@ import multiloss  # noqa: F401  (registers the schema and the --help resolver)
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 # Quiet and quick: no progress bar, no config tree, no model summary.
-QUIET = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false",
-         "trainer.enable_model_summary=false")
+QUIET = (
+    "print_config=false",
+    "~callbacks.progress_bar",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+)
 
 
 def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
@@ -36,11 +40,18 @@ def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
     return cfg
 
 
+def _replaces_group(group: str, overrides: tuple[str, ...]) -> bool:
+    return any(o.startswith(f"{group}=") for o in overrides)
+
+
 @pytest.fixture
 def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
     def make(*overrides: str, output_dir: Path | str | None = None, quiet: bool = True) -> DictConfig:
         out = Path(output_dir) if output_dir is not None else tmp_path / "run"
-        return compose_config([*(QUIET if quiet else ()), *overrides], out)
+        quiet_overrides = [
+            q for q in QUIET if not (q.startswith("~callbacks.") and _replaces_group("callbacks", overrides))
+        ]
+        return compose_config([*(quiet_overrides if quiet else ()), *overrides], out)
 
     return make
 
@@ -48,8 +59,14 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
 def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python train.py <args>`` in a subprocess, as a user runs it."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:

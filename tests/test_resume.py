@@ -12,8 +12,15 @@ import torch
 from multiloss import train
 from tests.conftest import load_weights
 
-SMALL = ("recipe=multihead", "model.width=32", "model.dropout=0.2", "data.batch_size=128",
-         "trainer.accelerator=cpu", "trainer.devices=1", "~callbacks.loss_curves")
+SMALL = (
+    "recipe=multihead",
+    "model.width=32",
+    "model.dropout=0.2",
+    "data.batch_size=128",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "~callbacks.loss_curves",
+)
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -44,8 +51,10 @@ def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path, stop_at):
     assert torch.load(first, weights_only=False)["global_step"] == stop_at
     train(make_cfg(*SMALL, f"trainer.max_steps={total}", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
 
-    _assert_same(load_weights(tmp_path / "resumed/checkpoints/last.ckpt"),
-                 load_weights(tmp_path / "straight/checkpoints/last.ckpt"))
+    _assert_same(
+        load_weights(tmp_path / "resumed/checkpoints/last.ckpt"),
+        load_weights(tmp_path / "straight/checkpoints/last.ckpt"),
+    )
 
 
 def test_resume_from_periodic_checkpoint_equals_straight_run(make_cfg, tmp_path):
@@ -55,5 +64,7 @@ def test_resume_from_periodic_checkpoint_equals_straight_run(make_cfg, tmp_path)
     step7 = next((tmp_path / "straight/checkpoints").glob("*step000007.ckpt"))
     train(make_cfg(*SMALL, "trainer.max_steps=20", f"ckpt_path={step7}", output_dir=tmp_path / "resumed"))
 
-    _assert_same(load_weights(tmp_path / "resumed/checkpoints/last.ckpt"),
-                 load_weights(tmp_path / "straight/checkpoints/last.ckpt"))
+    _assert_same(
+        load_weights(tmp_path / "resumed/checkpoints/last.ckpt"),
+        load_weights(tmp_path / "straight/checkpoints/last.ckpt"),
+    )

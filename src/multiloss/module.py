@@ -30,6 +30,9 @@ class RecipeModule(L.LightningModule):
         training = self.training
         self.log_dict(
             {f"{prefix}{name}": value.detach() for name, value in losses.items()},
-            on_step=training, on_epoch=not training, sync_dist=not training, batch_size=batch_size,
+            on_step=training,
+            on_epoch=not training,
+            sync_dist=not training,
+            batch_size=batch_size,
             prog_bar=False,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from torch import nn
 
 
@@ -23,5 +25,5 @@ def dense_block(in_features: int, out_features: int, dropout: float = 0.0, batch
 
 def mlp(sizes: list[int], dropout: float = 0.0, batch_norm: bool = False) -> nn.Sequential:
     """Dense blocks through ``sizes[:-1]`` and a plain linear output layer of ``sizes[-1]``."""
-    blocks = [dense_block(a, b, dropout, batch_norm) for a, b in zip(sizes[:-2], sizes[1:-1])]
+    blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
     return nn.Sequential(*blocks, nn.Linear(sizes[-2], sizes[-1]))

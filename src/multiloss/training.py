@@ -57,7 +57,7 @@ def _config_errors(path: str, node: DictConfig) -> Iterator[None]:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         if isinstance(cause, ConfigError):
             raise cause.under(path) from None
-        if isinstance(cause, MisconfigurationException) or path == "trainer" and isinstance(cause, ValueError):
+        if isinstance(cause, MisconfigurationException) or (path == "trainer" and isinstance(cause, ValueError)):
             raise _lightning_said(path, node, cause) from None
         raise
 
@@ -67,5 +67,9 @@ def _lightning_said(path: str, node: DictConfig, err: Exception) -> ConfigError:
     text = str(err)
     keys = [str(k) for k in node if not str(k).startswith("_") and str(k) in text]
     key = max(keys, key=len) if keys else None  # the most specific name mentioned
-    return ConfigError(f"{path}.{key}" if key else path, node[key] if key else OmegaConf.to_container(node),
-                       text, "rejected by Lightning")
+    return ConfigError(
+        f"{path}.{key}" if key else path,
+        node[key] if key else OmegaConf.to_container(node),
+        text,
+        "rejected by Lightning",
+    )

@@ -18,8 +18,9 @@ class Checkpoint(ModelCheckpoint):
     like any ``every_n_train_steps`` checkpoint.
     """
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final_step = 0 < trainer.max_steps <= trainer.global_step
         if self.save_last and final_step and not self._should_skip_saving_checkpoint(trainer):

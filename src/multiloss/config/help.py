@@ -8,6 +8,7 @@ prints it. Each recipe's one-line description is the first line of its module's 
 from __future__ import annotations
 
 from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
@@ -26,16 +27,8 @@ def recipe_lines() -> str:
 
 
 def _model_target(loader, name: str) -> str:
-    result = loader.load_configuration(
-        "train", overrides=[f"recipe={name}"], run_mode=_run_mode(), from_shell=False
-    )
+    result = loader.load_configuration("train", overrides=[f"recipe={name}"], run_mode=RunMode.RUN, from_shell=False)
     return str(result.model._target_)
-
-
-def _run_mode():
-    from hydra.types import RunMode
-
-    return RunMode.RUN
 
 
 def register() -> None:

@@ -45,8 +45,9 @@ def check_config(cfg: DictConfig) -> None:
     )
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:
-        require(Path(ckpt).is_file(), "ckpt_path", ckpt, "the path of an existing checkpoint file (.ckpt)",
-                "no such file")
+        require(
+            Path(ckpt).is_file(), "ckpt_path", ckpt, "the path of an existing checkpoint file (.ckpt)", "no such file"
+        )
 
 
 def check_node(node: DictConfig, path: str) -> None:
@@ -56,8 +57,12 @@ def check_node(node: DictConfig, path: str) -> None:
     try:
         target = get_object(target_name)
     except Exception as err:  # ImportError, AttributeError, ... all mean the same to a user
-        raise ConfigError(f"{path}._target_", target_name, "an importable class or function",
-                          f"cannot import it ({err.__class__.__name__}: {err})") from None
+        raise ConfigError(
+            f"{path}._target_",
+            target_name,
+            "an importable class or function",
+            f"cannot import it ({err.__class__.__name__}: {err})",
+        ) from None
     params, open_kwargs = _parameters(target)
     passed_by_train = _PASSED_BY_TRAIN.get(_qualname(target), set())
     hints = _type_hints(target)
@@ -69,13 +74,21 @@ def check_node(node: DictConfig, path: str) -> None:
             continue
         where = f"{path}.{key}"
         if key in passed_by_train:
-            raise ConfigError(where, OmegaConf.to_container(node)[key], "not set here",
-                              f"multiloss passes `{key}` itself (configure the `{key}` group instead)")
+            raise ConfigError(
+                where,
+                OmegaConf.to_container(node)[key],
+                "not set here",
+                f"multiloss passes `{key}` itself (configure the `{key}` group instead)",
+            )
         if key not in params and not open_kwargs:
             close = difflib.get_close_matches(key, params, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise ConfigError(where, _plain(node, key), f"{hint}arguments of {target_name}: {', '.join(sorted(params))}",
-                              "unknown key")
+            raise ConfigError(
+                where,
+                _plain(node, key),
+                f"{hint}arguments of {target_name}: {', '.join(sorted(params))}",
+                "unknown key",
+            )
         child = node._get_node(key)
         if isinstance(child, DictConfig) and "_target_" in child:
             check_node(child, where)
@@ -84,18 +97,26 @@ def check_node(node: DictConfig, path: str) -> None:
             _check_type(where, _plain(node, key), hints[key])
 
     if not is_partial:
-        missing = [n for n, p in params.items()
-                   if p.default is inspect.Parameter.empty and n not in node and n not in passed_by_train]
+        missing = [
+            n
+            for n, p in params.items()
+            if p.default is inspect.Parameter.empty and n not in node and n not in passed_by_train
+        ]
         if missing:
-            raise ConfigError(f"{path}.{missing[0]}", None, f"a value for each of: {', '.join(missing)}",
-                              f"required by {target_name} but not set")
+            raise ConfigError(
+                f"{path}.{missing[0]}",
+                None,
+                f"a value for each of: {', '.join(missing)}",
+                f"required by {target_name} but not set",
+            )
 
 
 def _parameters(target: Any) -> tuple[dict[str, inspect.Parameter], bool]:
     """Named parameters of a class or callable; a class's ``**kwargs`` is followed up its MRO."""
     params: dict[str, inspect.Parameter] = {}
-    callables = [c.__init__ for c in inspect.getmro(target) if "__init__" in vars(c)] if inspect.isclass(target) \
-        else [target]
+    callables = (
+        [c.__init__ for c in inspect.getmro(target) if "__init__" in vars(c)] if inspect.isclass(target) else [target]
+    )
     for fn in callables:
         sig = inspect.signature(fn)
         for name, p in sig.parameters.items():
@@ -108,8 +129,11 @@ def _parameters(target: Any) -> tuple[dict[str, inspect.Parameter], bool]:
 
 def _type_hints(target: Any) -> dict[str, Any]:
     hints: dict[str, Any] = {}
-    fns = [c.__init__ for c in reversed(inspect.getmro(target)) if "__init__" in vars(c)] \
-        if inspect.isclass(target) else [target]
+    fns = (
+        [c.__init__ for c in reversed(inspect.getmro(target)) if "__init__" in vars(c)]
+        if inspect.isclass(target)
+        else [target]
+    )
     for fn in fns:
         try:
             hints.update(typing.get_type_hints(fn))

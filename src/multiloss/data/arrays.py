@@ -61,7 +61,7 @@ class ArrayDataModule(L.LightningDataModule):
         n = len(next(iter(arrays.values())))
         # The split never depends on the training seed: changing `seed` must not change the val set.
         order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
-        n_val = int(round(n * self.val_fraction))
+        n_val = round(n * self.val_fraction)
         val_idx, train_idx = order[:n_val], order[n_val:]
         self.train_set = StackDataset(**{k: v[train_idx] for k, v in arrays.items()})
         self.val_set = StackDataset(**{k: v[val_idx] for k, v in arrays.items()})
@@ -73,12 +73,20 @@ class ArrayDataModule(L.LightningDataModule):
     def train_dataloader(self) -> StatefulDataLoader:
         world_size, rank = self._ranks()
         sampler = StatefulDistributedSampler(
-            self.train_set, num_replicas=world_size, rank=rank, shuffle=self.shuffle, seed=self.seed,
+            self.train_set,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
             drop_last=self.drop_last,
         )
         return StatefulDataLoader(
-            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
-            drop_last=self.drop_last, persistent_workers=self.num_workers > 0,
+            self.train_set,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            drop_last=self.drop_last,
+            persistent_workers=self.num_workers > 0,
             # Its own generator, so creating an iterator never draws from the global RNG that the
             # model's noise and dropout use (that would break exact resume).
             generator=torch.Generator().manual_seed(self.seed),
@@ -87,9 +95,16 @@ class ArrayDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         world_size, rank = self._ranks()
         # Unrepeated: every validation example is seen exactly once across ranks (no padding).
-        sampler = UnrepeatedDistributedSampler(self.val_set, num_replicas=world_size, rank=rank, shuffle=False) \
-            if world_size > 1 else None
+        sampler = (
+            UnrepeatedDistributedSampler(self.val_set, num_replicas=world_size, rank=rank, shuffle=False)
+            if world_size > 1
+            else None
+        )
         return DataLoader(
-            self.val_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed),
+            self.val_set,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
         )

@@ -30,8 +30,12 @@ class NpzDataModule(ArrayDataModule):
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
         if self.path.suffix == ".npy":
-            require(self.y_path is not None and Path(self.y_path).is_file(), "y_path", self.y_path,
-                    "an existing .npy file of labels (needed when path is a .npy of features)")
+            require(
+                self.y_path is not None and Path(self.y_path).is_file(),
+                "y_path",
+                self.y_path,
+                "an existing .npy file of labels (needed when path is a .npy of features)",
+            )
             return np.load(self.path, mmap_mode="r"), np.load(self.y_path, mmap_mode="r")
         with np.load(self.path) as arrays:
             for key_name, key in (("x_key", self.x_key), ("y_key", self.y_key)):
