@@ -16,5 +16,5 @@ def run(cfg: DictConfig) -> dict[str, float]:
     except ConfigError as err:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         console = rich.console.Console(stderr=True, highlight=False)
-        console.print(f"[bold red]multiloss: config error:[/] {rich.markup.escape(err.message)}")
+        console.print(f"[bold red]multiloss: config error:[/] {rich.markup.escape(err.message)}", soft_wrap=True)
         raise SystemExit(2) from None

@@ -24,7 +24,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     run leaves an earlier run's files in the same directory untouched.
     """
     check_config(cfg)
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = _build("data", cfg.data)
     model = _build("model", cfg.model)

@@ -43,10 +43,29 @@ def check_config(cfg: DictConfig) -> None:
         "false (multiloss's loaders shard by rank themselves, honour data.shuffle and resume mid-epoch; "
         "Lightning's replacement sampler would undo all three)",
     )
+    _check_accelerator(cfg.trainer.get("accelerator"))
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:
         require(
             Path(ckpt).is_file(), "ckpt_path", ckpt, "the path of an existing checkpoint file (.ckpt)", "no such file"
+        )
+
+
+def _check_accelerator(name: Any) -> None:
+    """A named accelerator must exist on this machine (Lightning's registry says which do)."""
+    if not isinstance(name, str) or name == "auto":
+        return
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    registry = AcceleratorRegistry.available_accelerators()
+    usable = sorted(n for n in registry if AcceleratorRegistry[n]["accelerator"].is_available())
+    wanted = {"gpu": {"cuda", "mps"}}.get(name, {name})
+    if wanted & set(registry) and not wanted & set(usable):
+        raise ConfigError(
+            "trainer.accelerator",
+            name,
+            f"one this machine has: auto, {', '.join(usable)} (e.g. trainer=cpu)",
+            "not available on this machine",
         )
 
 
@@ -112,16 +131,20 @@ def check_node(node: DictConfig, path: str) -> None:
 
 
 def _parameters(target: Any) -> tuple[dict[str, inspect.Parameter], bool]:
-    """Named parameters of a class or callable; a class's ``**kwargs`` is followed up its MRO."""
+    """Named parameters of a class or callable; a class's ``**kwargs`` is followed up its MRO.
+
+    Only the outermost signature's parameters without default count as required: a parent's
+    required argument reached through ``**kwargs`` is the child's to pass.
+    """
     params: dict[str, inspect.Parameter] = {}
     callables = (
         [c.__init__ for c in inspect.getmro(target) if "__init__" in vars(c)] if inspect.isclass(target) else [target]
     )
-    for fn in callables:
+    for depth, fn in enumerate(callables):
         sig = inspect.signature(fn)
         for name, p in sig.parameters.items():
             if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                params.setdefault(name, p)
+                params.setdefault(name, p if depth == 0 else p.replace(default=None))
         if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             return params, False
     return params, True

@@ -62,9 +62,9 @@ class ArrayDataModule(L.LightningDataModule):
         # The split never depends on the training seed: changing `seed` must not change the val set.
         order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
         n_val = round(n * self.val_fraction)
-        val_idx, train_idx = order[:n_val], order[n_val:]
-        self.train_set = StackDataset(**{k: v[train_idx] for k, v in arrays.items()})
-        self.val_set = StackDataset(**{k: v[val_idx] for k, v in arrays.items()})
+        self.val_index, self.train_index = order[:n_val], order[n_val:]
+        self.train_set = StackDataset(**{k: v[self.train_index] for k, v in arrays.items()})
+        self.val_set = StackDataset(**{k: v[self.val_index] for k, v in arrays.items()})
 
     def _ranks(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -1,0 +1,84 @@
+"""`python train.py` as a user runs it: a real run's outputs, --help, and clean rejection of bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CONFIG_DIR, run_cli
+
+RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """One real 30-step multihead run through the CLI, shared by the tests below."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    proc = run_cli("recipe=multihead", "trainer.max_steps=30", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_run_writes_the_contract_outputs(finished_run):
+    out = finished_run
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        assert (out / ".hydra" / name).is_file(), name
+    assert "trainer.max_steps=30" in (out / ".hydra/overrides.yaml").read_text()
+    metrics = list(out.rglob("metrics.csv"))
+    assert len(metrics) == 1
+    header = metrics[0].read_text().splitlines()[0].split(",")
+    assert {"loss/head0", "loss/head1", "loss/head2", "loss/total"} <= set(header)
+    assert any(col.startswith("lr") for col in header)
+    ckpt = torch.load(out / "checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 30
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+
+
+def test_help_lists_every_recipe_with_its_description():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    for name in RECIPES:
+        assert f"recipe={name}" in proc.stdout
+    assert "Deep supervision on digits" in proc.stdout  # multihead's docstring, first line
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+# (override, what the one-line message must name). Hydra's own composition errors (exit 1) and
+# multiloss's (exit 2) both count: no traceback either way.
+BAD_INPUTS = [
+    ("seed=abc", ["seed", "abc"]),  # wrong type, caught by the structured schema
+    ("data.batch_size=abc", ["data.batch_size", "abc", "int"]),  # wrong type, by the signature
+    ("data.batch_size=0", ["data.batch_size=0", "≥ 1"]),  # impossible value
+    ("+model.bogus=1", ["model.bogus", "unknown key", "width"]),  # unknown key, with what is accepted
+    ("+trainer.max_stepz=10", ["trainer.max_stepz", "did you mean max_steps"]),
+    ("model.head_weights=[1,2]", ["model.head_weights", "[1, 2]", "3 numbers"]),  # mismatched length
+    ("recipe=nope", ["recipe/nope", "multihead"]),  # unknown recipe, with the available ones
+    ("ckpt_path=/no/such.ckpt", ["ckpt_path", "/no/such.ckpt", "no such file"]),
+    ("trainer.accelerator=gpu", ["trainer.accelerator", "gpu", "cpu"]),  # hardware this machine lacks
+    ("trainer.max_steps=-5", ["trainer.max_steps=-5", "non-negative"]),  # Lightning's own check
+]
+
+
+@pytest.mark.parametrize(("override", "named"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_rejected_cleanly_and_leaves_earlier_results(finished_run, tmp_path, override, named):
+    out = tmp_path / "earlier"
+    shutil.copytree(finished_run, out)
+    before = _digest(out)
+
+    proc = run_cli("recipe=multihead", override, f"hydra.run.dir={out}")
+
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Traceback" not in said
+    for text in named:
+        assert text in said, f"{text!r} not in:\n{said}"
+    after = _digest(out)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing overwritten
+    assert not [k for k in after if k not in before and not k.endswith(".log")]  # nothing new but the job log

@@ -1,0 +1,61 @@
+"""Every config file under configs/ composes, validates and instantiates (or is rejected for a stated reason)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+
+from multiloss.config import ConfigError, check_config
+from tests.conftest import CONFIG_DIR
+
+# Groups whose options are selected on the command line as `group=option`.
+GROUP_FILES = sorted(
+    p
+    for p in CONFIG_DIR.rglob("*.yaml")
+    if p.parent != CONFIG_DIR and p.parent.name != "local" and p.parts[-3:-1] != ("hydra", "launcher")
+)
+# Options that need something this machine lacks, and the error that says so.
+NEEDS_GPU = {"trainer/gpu.yaml", "trainer/ddp.yaml"}
+
+
+def _override(path: Path) -> str:
+    rel = path.relative_to(CONFIG_DIR)
+    return f"{'/'.join(rel.parts[:-1])}={rel.stem}"
+
+
+@pytest.fixture
+def npz_file(tmp_path):
+    path = tmp_path / "arrays.npz"
+    np.savez(path, x=np.random.default_rng(0).random((50, 64)), y=np.arange(50) % 10)
+    return path
+
+
+def instantiate_all(cfg) -> None:
+    check_config(cfg)
+    instantiate(cfg.data)
+    instantiate(cfg.model)
+    callbacks = [instantiate(v) for v in (cfg.callbacks or {}).values() if v]
+    loggers = [instantiate(v) for v in (cfg.logger or {}).values() if v]
+    instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
+    rel = str(path.relative_to(CONFIG_DIR))
+    extra = [f"data.path={npz_file}"] if rel == "data/npz.yaml" else []
+    cfg = make_cfg(_override(path), *extra, quiet=False)
+    if rel in NEEDS_GPU:
+        with pytest.raises(ConfigError, match="trainer.accelerator"):
+            check_config(cfg)
+        return
+    instantiate_all(cfg)
+
+
+def test_the_default_composes_to_the_multihead_recipe(make_cfg):
+    cfg = make_cfg(quiet=False)
+    assert cfg.model._target_ == "recipes.multihead.MultiHead"
+    assert cfg.model.optimizer._partial_ is True
+    assert cfg.trainer.use_distributed_sampler is False
