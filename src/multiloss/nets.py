@@ -25,5 +25,5 @@ def dense_block(in_features: int, out_features: int, dropout: float = 0.0, batch
 
 def mlp(sizes: list[int], dropout: float = 0.0, batch_norm: bool = False) -> nn.Sequential:
     """Dense blocks through ``sizes[:-1]`` and a plain linear output layer of ``sizes[-1]``."""
-    blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
+    blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes[:-1])]
     return nn.Sequential(*blocks, nn.Linear(sizes[-2], sizes[-1]))

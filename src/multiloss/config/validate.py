@@ -43,6 +43,14 @@ def check_config(cfg: DictConfig) -> None:
         "false (multiloss's loaders shard by rank themselves, honour data.shuffle and resume mid-epoch; "
         "Lightning's replacement sampler would undo all three)",
     )
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    # Lightning does not check it: 0 or less would fail only deep inside the first epoch.
+    require(
+        isinstance(accumulate, int) and accumulate >= 1,
+        "trainer.accumulate_grad_batches",
+        accumulate,
+        "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
+    )
     _check_accelerator(cfg.trainer.get("accelerator"))
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:

@@ -1,0 +1,182 @@
+"""Recipe `accumulation`: gradient accumulation, and the learning rate scaled with the effective batch.
+
+The seeds' memory-saving loop divides each batch's loss by ``accumulation_steps``, calls
+``backward()`` every batch and steps every ``accumulation_steps`` batches, instead of summing k
+batches' losses into one tensor and calling backward once. Both give the same gradient, but the
+summed version keeps k graphs alive until its single backward, and the tempting middle ground
+(``loss += ...; loss.backward()`` inside the loop) walks the first graph twice:
+
+    RuntimeError: Trying to backward through the graph a second time, but the buffers have
+    already been freed. Specify retain_graph=True when calling backward the first time.
+
+The seed also warns that the learning rate "should be scaled up accordingly" (学习率也要适当放大)
+without saying by how much. Here Lightning does the loop (``trainer.accumulate_grad_batches=k``
+divides the loss by k, steps every k micro-batches and, under DDP, skips the all-reduce on the
+micro-batches that do not step), and the LR is scaled by a stated rule from the effective batch
+``data.batch_size × k × world_size`` against ``model.base_batch_size`` (`multiloss.lr_scaling`).
+`tests/recipes/test_accumulation.py` proves k micro-batches of b == one batch of k·b == the seed's
+hand-written loop, that the LR in the optimizer is the rule's, and where the equivalence breaks.
+
+    python train.py recipe=accumulation
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+from torchmetrics.classification import MulticlassAccuracy
+
+from multiloss.config import require
+from multiloss.lr_scaling import effective_batch_size, lr_factor
+from multiloss.module import OptimizerFactory, RecipeModule
+from multiloss.nets import dense_block
+
+
+class Accumulation(RecipeModule):
+    """Gradient accumulation on digits: k micro-batches per step, LR scaled by the effective batch (linear/sqrt/none).
+
+    A digits MLP (``depth`` dense blocks of ``width``, then a linear classifier) trained with
+    Lightning's automatic optimization and ``trainer.accumulate_grad_batches = k``. The optimizer's
+    configured LR (``model.optimizer.lr``) is the LR for ``base_batch_size`` examples per step; at
+    fit start each param group's LR is multiplied by the ``lr_scaling`` rule's factor for the
+    effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal et al. 2017, for
+    SGD), ``sqrt`` (√(B/B₀), for Adam-type optimizers) or ``none``. The scaled LR sits in the
+    optimizer, so LearningRateMonitor's ``lr-<Optimizer>`` column shows it; the rule's inputs are
+    logged as ``scaling/*`` and written to ``lr_scaling.json`` in the run dir.
+    Logs ``loss/total`` (cross-entropy) per micro-batch, ``val/loss/total`` and ``val/acc``.
+
+    No dropout or BatchNorm by default: with either, k micro-batches of b stop being one batch of
+    k·b (BatchNorm normalises each micro-batch by its own statistics, dropout draws other masks).
+    Both stay available (``model.batch_norm``, ``model.dropout``) for models that need them.
+
+    Raises:
+        ConfigError: ``base_batch_size``, ``depth`` or ``width`` < 1; ``dropout`` outside [0, 1);
+            ``trainer.accumulate_grad_batches`` < 1 (at fit start, before the first step).
+    """
+
+    def __init__(
+        self,
+        optimizer: OptimizerFactory,
+        lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
+        base_batch_size: int = 64,
+        in_features: int = 64,
+        num_classes: int = 10,
+        width: int = 128,
+        depth: int = 2,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+    ) -> None:
+        super().__init__(optimizer)
+        require(
+            base_batch_size >= 1,
+            "base_batch_size",
+            base_batch_size,
+            "an integer ≥ 1: the examples per optimizer step that model.optimizer.lr was tuned for",
+        )
+        require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of hidden blocks)")
+        require(width >= 1, "width", width, "an integer ≥ 1")
+        require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
+        # The optimizer factory stays out: checkpoints then load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["optimizer"], logger=False)
+        self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
+        self.scaling: dict[str, float | int | str] = {}
+        self.scaled_lrs: list[float] = []
+
+        sizes = [in_features] + [width] * depth
+        blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
+        self.net = nn.Sequential(*blocks, nn.Linear(width, num_classes))
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def configure_optimizers(self) -> Optimizer:
+        # Called once the trainer knows its world size and the datamodule its batch size, so the
+        # effective batch is known exactly here, for one device or many.
+        trainer = self.trainer
+        batch_size = getattr(trainer.datamodule, "batch_size", None)
+        if batch_size is None:
+            raise RuntimeError(
+                "recipe accumulation scales the LR by data.batch_size: fit it with a datamodule that has `batch_size`"
+            )
+        accumulate, world_size = trainer.accumulate_grad_batches, trainer.world_size
+        # Lightning itself accepts 0 here and fails later on a modulo by zero.
+        require(
+            isinstance(accumulate, int) and accumulate >= 1,
+            "trainer.accumulate_grad_batches",
+            accumulate,
+            "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
+        )
+        effective = effective_batch_size(batch_size, accumulate, world_size)
+        factor = lr_factor(effective, self.base_batch_size, self.lr_scaling)
+
+        optimizer = self.optimizer_factory(self.parameters())
+        base_lr = optimizer.param_groups[0]["lr"]
+        # The LR goes into the param groups themselves (not a scaled loss or a scheduler), so the
+        # optimizer, the checkpoint and LearningRateMonitor's `lr-<Optimizer>` column all hold the
+        # rule's result. Every group keeps its own base LR, scaled by the same factor.
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        self.scaled_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.scaling = {
+            "rule": self.lr_scaling,
+            "base_lr": base_lr,
+            "base_batch_size": self.base_batch_size,
+            "batch_size": batch_size,
+            "accumulate_grad_batches": accumulate,
+            "world_size": world_size,
+            "effective_batch_size": effective,
+            "factor": factor,
+            "lr": optimizer.param_groups[0]["lr"],
+        }
+        rank_zero_info(
+            f"LR scaling ({self.lr_scaling}): effective batch {batch_size} × {accumulate} × {world_size} = "
+            f"{effective} vs base {self.base_batch_size} -> lr {base_lr:g} × {factor:g} = {self.scaling['lr']:g}"
+        )
+        return optimizer
+
+    def on_train_start(self) -> None:
+        # A resumed run restores the optimizer's state, LRs included, after configure_optimizers:
+        # put back the LRs for *this* run's effective batch (a resume on more ranks, or with
+        # another k, scales again instead of keeping the old run's LR).
+        for opt in self.trainer.optimizers:
+            for group, lr in zip(opt.param_groups, self.scaled_lrs):
+                group["lr"] = lr
+        # Not `lr*` names: the contract's "column starting with lr" is the LR actually used.
+        self.log_dict(
+            {
+                "scaling/factor": float(self.scaling["factor"]),
+                "scaling/effective_batch_size": float(self.scaling["effective_batch_size"]),
+                "scaling/base_lr": float(self.scaling["base_lr"]),
+            },
+            on_step=False,
+            on_epoch=True,
+            sync_dist=True,  # the same on every rank; keeps Lightning's DDP epoch-logging check quiet
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = F.cross_entropy(self(batch["x"]), batch["y"])
+        self.log_losses({"total": loss}, batch_size=len(batch["y"]))
+        # The micro-batch's mean loss; Lightning divides it by k before backward, so k micro-batches
+        # of b sum to the gradient of the mean over k·b examples (the seeds' `loss / accumulation_steps`).
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch["x"])
+        self.log_losses({"total": F.cross_entropy(logits, batch["y"])}, prefix="val/loss/", batch_size=len(batch["y"]))
+        self.val_acc(logits, batch["y"])
+        self.log("val/acc", self.val_acc, on_epoch=True, prog_bar=True)
+
+    def on_train_epoch_end(self) -> None:
+        if self.trainer.is_global_zero and self.scaling:
+            path = Path(self.trainer.default_root_dir) / "lr_scaling.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.scaling, indent=2) + "\n")
