@@ -18,6 +18,12 @@ class RecipeModule(L.LightningModule):
         super().__init__()
         self.optimizer_factory = optimizer
 
+    def check_trainer(self, trainer: L.Trainer) -> None:
+        """Reject Trainer settings this recipe cannot honour (raise `ConfigError` with ``trainer.*`` keys).
+
+        `multiloss.train` calls it after building the Trainer and before writing anything.
+        """
+
     def configure_optimizers(self) -> Optimizer:
         return self.optimizer_factory(self.parameters())
 

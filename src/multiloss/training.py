@@ -32,6 +32,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v] + [RngState()]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # Settings only the recipe can judge against the built Trainer (e.g. trainer.gradient_clip_val
+    # under manual optimization): rejected here, before any file is written.
+    if callable(check := getattr(model, "check_trainer", None)):
+        check(trainer)
 
     save_run_config(cfg, cfg.paths.output_dir)
     if cfg.get("print_config", True):
