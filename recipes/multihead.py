@@ -59,7 +59,9 @@ class MultiHead(RecipeModule):
         require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of blocks, and of heads)")
         require(width >= 1, "width", width, "an integer ≥ 1")
         require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
-        weights = [1.0] * depth if head_weights is None else [float(w) for w in head_weights]
+        # A plain list, not Hydra's ListConfig: checkpoints must load with weights_only=True.
+        head_weights = None if head_weights is None else [float(w) for w in head_weights]
+        weights = [1.0] * depth if head_weights is None else head_weights
         require(
             len(weights) == depth,
             "head_weights",

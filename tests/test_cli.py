@@ -47,7 +47,9 @@ def test_help_lists_every_recipe_with_its_description():
 
 
 def _digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
 
 
 # (override, what the one-line message must name). Hydra's own composition errors (exit 1) and
@@ -58,7 +60,7 @@ BAD_INPUTS = [
     ("data.batch_size=0", ["data.batch_size=0", "≥ 1"]),  # impossible value
     ("+model.bogus=1", ["model.bogus", "unknown key", "width"]),  # unknown key, with what is accepted
     ("+trainer.max_stepz=10", ["trainer.max_stepz", "did you mean max_steps"]),
-    ("model.head_weights=[1,2]", ["model.head_weights", "[1, 2]", "3 numbers"]),  # mismatched length
+    ("model.head_weights=[1,2]", ["model.head_weights", "[1.0, 2.0]", "3 numbers"]),  # mismatched length
     ("recipe=nope", ["recipe/nope", "multihead"]),  # unknown recipe, with the available ones
     ("ckpt_path=/no/such.ckpt", ["ckpt_path", "/no/such.ckpt", "no such file"]),
     ("trainer.accelerator=gpu", ["trainer.accelerator", "gpu", "cpu"]),  # hardware this machine lacks

@@ -48,7 +48,7 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
     extra = [f"data.path={npz_file}"] if rel == "data/npz.yaml" else []
     cfg = make_cfg(_override(path), *extra, quiet=False)
     if rel in NEEDS_GPU:
-        with pytest.raises(ConfigError, match="trainer.accelerator"):
+        with pytest.raises(ConfigError, match=r"trainer\.accelerator"):
             check_config(cfg)
         return
     instantiate_all(cfg)

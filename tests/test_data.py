@@ -29,7 +29,7 @@ def test_digits_split_is_fixed_and_disjoint():
     assert set(a.train_index.tolist()).isdisjoint(a.val_index.tolist())
     batch = next(iter(a.train_dataloader()))
     assert batch["x"].shape == (64, 64) and batch["y"].dtype == torch.long
-    assert 0.0 <= batch["x"].min() and batch["x"].max() <= 1.0
+    assert batch["x"].min() >= 0.0 and batch["x"].max() <= 1.0
 
 
 def test_training_order_is_a_function_of_seed_and_epoch():

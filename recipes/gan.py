@@ -1,0 +1,363 @@
+"""Recipe `gan`: two networks, two optimizers, one shared tensor between them — cut it with detach().
+
+A GAN needs two backward passes per step, the discriminator's and the generator's, and both losses
+are built on the same generated samples. The seed's version of the mistake (seeds/004): compute
+``fake = G(z)``, backward the discriminator's loss on ``fake`` itself, step D, then backward the
+generator's loss through the same ``fake``. The second backward raises
+
+    RuntimeError: Trying to backward through the graph a second time (or directly access saved
+    tensors after they have already been freed). ...
+
+and, worse because silent, the first backward has already written D's loss into the generator's
+``.grad`` (a push toward fakes that are *easier* to spot). ``retain_graph=True`` silences the
+error and keeps the wrong gradient, unless G's gradients happen to be zeroed in between. The cure
+is ``fake.detach()`` in the discriminator's loss: two separate graphs, each backward reaching only
+its own network.
+
+The second trap is the order. Build the generator's loss (a forward through D) *before*
+``opt_d.step()`` and backward it after, and autograd refuses:
+
+    RuntimeError: one of the variables needed for gradient computation has been modified by an
+    inplace operation: [torch.FloatTensor [128, 1]], which is output 0 of AsStrided, is at version 2;
+    expected version 1 instead. ...
+
+because the optimizer updated D's weights in place under a graph that had saved them. So a step
+here is: D's loss on detached fakes, D's backward and step, *then* G's loss through the updated D.
+``tests/recipes/test_gan.py`` shows both failing alternatives on this module.
+
+Each backward touches one network only: D's under ``toggle_optimizer(opt_d)`` (G's weights do not
+require grad, and the fakes are detached anyway), G's under ``toggle_optimizer(opt_g)`` (the
+gradient flows *through* D to the fakes, but D's weights do not require grad there and get no
+``.grad``). So every backward's gradients belong to exactly one optimizer. (Stock DDP, which wraps
+the whole module and waits for every parameter's gradient, still needs
+``trainer.strategy=ddp_find_unused_parameters_true``; the split is what lets a leaner sync do
+without it.)
+
+WGAN-GP's gradient penalty is the other double-backward of the seeds: ‖∇ₓD(x̂)‖ is itself a
+function of D's weights, so ``torch.autograd.grad(..., create_graph=True)`` keeps the graph of that
+gradient to differentiate it again; without ``create_graph`` the penalty is a constant to autograd
+and D's weights silently get no gradient from it (a finite-difference check in the tests).
+
+    python train.py recipe=gan                     # WGAN-GP on 8 Gaussians on a ring
+    python train.py recipe=gan data=gaussians25    # 25 on a grid
+    python train.py recipe=gan model.loss=nonsaturating model.gp_weight=0 model.n_critic=1
+    python train.py recipe=gan data=digits model.data_dim=64 model.latent_dim=16
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from multiloss.accumulation import ManualAccumulation
+from multiloss.config import require
+from multiloss.metrics import ModeCoverage
+from multiloss.module import OptimizerFactory
+from multiloss.nets import mlp
+
+
+def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """E[(‖∇ₓ̂ critic(x̂)‖₂ − 1)²] at x̂ = ε·real + (1−ε)·fake (Gulrajani et al., 2017).
+
+    ``create_graph=True``: the penalty is a function of a gradient, and its own gradient w.r.t. the
+    critic's weights needs the graph of that gradient (a double backward).
+    """
+    x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
+    # Summing is exact here: each output depends on its own input row only (no BatchNorm in D).
+    (grad,) = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
+    return ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+
+
+def _linear_decay(epoch: int, epochs: int) -> float:
+    return max(0.0, 1 - epoch / epochs)
+
+
+class GAN(L.LightningModule):
+    """GAN on 2-D Gaussian mixtures (or digits): two optimizers, detached fakes, n_critic D steps per G step.
+
+    Manual optimization with two optimizers, ``model.g_optimizer`` and ``model.d_optimizer`` (each
+    picked from the ``optimizer`` group: ``optimizer@model.d_optimizer=sgd``). Per training batch:
+    one discriminator (critic) micro-batch on the real batch and as many generated points,
+    detached, with only D's weights requiring grad; every ``n_critic``·``accumulate_grad_batches``-th
+    batch, right after D has stepped, one generator step of ``accumulate_grad_batches``
+    micro-batches of fresh noise through the updated D, with only G's weights requiring grad.
+
+    Losses: ``nonsaturating`` (D: softplus(−D(x)) + softplus(D(G(z))); G: softplus(−D(G(z)))) or
+    ``wgan-gp`` (critic: D(G(z)) − D(x) + λ·GP; G: −D(G(z))). ``gp_weight`` = λ > 0 adds the gradient
+    penalty E[(‖∇D(x̂)‖ − 1)²] on random interpolates x̂ (with either loss; 0 = off).
+    ``lr_schedule=linear`` (default) lowers both learning rates linearly to 0 by
+    ``trainer.max_epochs``, one step per epoch; ``constant`` keeps them.
+
+    ``accumulate_grad_batches`` = k > 1 accumulates each network's steps over k micro-batches
+    (`multiloss.accumulation.ManualAccumulation`; Lightning's own ``trainer.accumulate_grad_batches``
+    refuses manual optimization). The noise comes from torch's global RNG (resumed exactly by
+    multiloss's RngState), drawn for the whole global batch and sharded like the data, so k
+    micro-batches of b draw what one batch of k·b draws, and so do 2 ranks × b and 1 rank × 2b
+    (on CPU, for b a multiple of 16).
+
+    Logs per step ``loss/d`` (= ``loss/d_real`` + ``loss/d_fake`` + λ·``loss/gp``) and, on generator
+    steps, ``loss/g``; per epoch ``val/loss/d``, ``val/loss/g`` and, on Gaussian-mixture data,
+    ``val/modes`` (modes hit) and ``val/high_quality`` (share of samples within 3σ of a mode) from
+    a fixed evaluation noise. Writes ``samples/epoch_<n>.png`` into the run dir at every epoch end:
+    real vs generated points, or a grid of generated images for ``data_dim`` a square (digits).
+
+    Raises:
+        ConfigError: ``n_critic``, ``accumulate_grad_batches``, ``latent_dim``, ``data_dim``,
+            ``width`` or ``depth`` < 1; ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``;
+            ``n_plot_samples`` < 0; ``trainer.accumulate_grad_batches`` ≠ 1 (use
+            ``model.accumulate_grad_batches``) or ``trainer.gradient_clip_val`` set (Lightning cannot
+            honour either under manual optimization); at fit start, ``data_dim`` ≠ the data's
+            feature count. A single ``model.optimizer`` (``optimizer=sgd``) is an unknown key: the
+            GAN has two.
+    """
+
+    def __init__(
+        self,
+        g_optimizer: OptimizerFactory,
+        d_optimizer: OptimizerFactory,
+        loss: Literal["nonsaturating", "wgan-gp"] = "nonsaturating",
+        n_critic: int = 1,
+        gp_weight: float = 0.0,
+        accumulate_grad_batches: int = 1,
+        latent_dim: int = 2,
+        data_dim: int = 2,
+        width: int = 128,
+        depth: int = 3,
+        lr_schedule: Literal["linear", "constant"] = "linear",
+        n_plot_samples: int = 1000,
+    ) -> None:
+        super().__init__()
+        for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
+            require(value >= 1, key, value, "an integer ≥ 1")
+        require(width >= 1, "width", width, "an integer ≥ 1 (hidden units per layer, both networks)")
+        require(depth >= 1, "depth", depth, "an integer ≥ 1 (hidden layers, both networks)")
+        require(gp_weight >= 0, "gp_weight", gp_weight, "a number ≥ 0 (0 = no gradient penalty)")
+        require(
+            loss != "wgan-gp" or gp_weight > 0,
+            "gp_weight",
+            gp_weight,
+            "a positive number with loss=wgan-gp (e.g. 0.1; the Wasserstein critic needs the penalty to stay "
+            "Lipschitz), or loss=nonsaturating",
+        )
+        require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
+        # The optimizer factories stay out: checkpoints then load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["g_optimizer", "d_optimizer"], logger=False)
+        self.automatic_optimization = False
+        self.g_optimizer_factory, self.d_optimizer_factory = g_optimizer, d_optimizer
+        self.loss, self.n_critic, self.gp_weight = loss, n_critic, gp_weight
+        self.latent_dim, self.data_dim, self.n_plot_samples = latent_dim, data_dim, n_plot_samples
+        self.lr_schedule = lr_schedule
+        self.accumulation = ManualAccumulation(self, accumulate_grad_batches)
+
+        # ReLU MLPs without BatchNorm or dropout: the penalty is per sample, and a batch split over
+        # micro-batches or ranks must give the same gradients.
+        hidden = [width] * depth
+        self.generator = mlp([latent_dim, *hidden, data_dim])
+        self.discriminator = mlp([data_dim, *hidden, 1])
+        self.mode_coverage: ModeCoverage | None = None  # set in setup() when the data has modes
+        self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
+
+    def configure_optimizers(self) -> list[Optimizer] | tuple[list[Optimizer], list[LambdaLR]]:
+        # Named param groups: LearningRateMonitor logs `lr-<Optimizer>/generator` and `.../discriminator`.
+        opt_g = self.g_optimizer_factory([{"params": self.generator.parameters(), "name": "generator"}])
+        opt_d = self.d_optimizer_factory([{"params": self.discriminator.parameters(), "name": "discriminator"}])
+        epochs = self.trainer.max_epochs if self._trainer is not None else None
+        if self.lr_schedule == "constant" or not epochs or epochs < 1:
+            return [opt_g, opt_d]
+        # Linear decay to zero over the run, stepped per epoch (on_train_epoch_end; manual optimization
+        # steps no scheduler by itself): a GAN at a constant rate keeps circling its equilibrium, and a
+        # shrinking step lets it settle where it is instead of at whatever point the last step reached.
+        decay = functools.partial(_linear_decay, epochs=epochs)
+        return [opt_g, opt_d], [LambdaLR(opt_g, decay), LambdaLR(opt_d, decay)]
+
+    def check_trainer(self, trainer: L.Trainer) -> None:
+        """Reject the Trainer settings manual optimization cannot honour (called by `multiloss.train`
+        before anything is written); Lightning would refuse them only later, with a traceback."""
+        require(
+            trainer.accumulate_grad_batches == 1,
+            "trainer.accumulate_grad_batches",
+            trainer.accumulate_grad_batches,
+            f"1; the GAN accumulates each network itself: model.accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}",
+            "Lightning cannot accumulate under manual optimization",
+        )
+        require(
+            trainer.gradient_clip_val is None,
+            "trainer.gradient_clip_val",
+            trainer.gradient_clip_val,
+            "null (this recipe does not clip gradients)",
+            "Lightning cannot clip gradients under manual optimization",
+        )
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # The earliest hook Lightning calls on the module in fit(): the same check for a Trainer built
+        # by hand, before Lightning's own (a bare MisconfigurationException) and before any training.
+        self.check_trainer(self.trainer)
+        return []
+
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule
+        train_set = getattr(datamodule, "train_set", None)
+        if train_set is not None:
+            features = train_set[0]["x"].numel()
+            require(
+                features == self.data_dim,
+                "model.data_dim",
+                self.data_dim,
+                f"the data's feature count, {features} (e.g. python train.py recipe=gan data=digits model.data_dim=64)",
+                "does not match the data",
+            )
+        centers = getattr(datamodule, "centers", None)
+        if centers is not None and self.mode_coverage is None:
+            self.mode_coverage = ModeCoverage(centers, datamodule.std).to(self.device)
+
+    # --- the pieces: noise, the two losses ------------------------------------------------------
+
+    def noise(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` latent vectors (n, latent_dim) and interpolation weights ε ∈ (0, 1) (n, 1) for this rank.
+
+        One draw of one row per sample from torch's global RNG, for the whole global batch; this rank
+        keeps every world_size-th row from its rank on, the way the data sampler shards the batch.
+        Drawing n per rank would give every rank the same noise (the ranks' streams are seeded
+        alike), and drawing z and ε in separate calls would make k micro-batches draw differently
+        from one batch of k·b.
+        """
+        world = self.trainer.world_size if self._trainer is not None else 1
+        rows = torch.randn(n * world, self.latent_dim + 1, device=self.device)[self.global_rank :: world]
+        return rows[:, :-1], torch.special.ndtr(rows[:, -1:])  # ndtr: Φ, so ε is uniform
+
+    def discriminator_losses(
+        self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """D's loss ``d`` and its components; pass detached fakes, and ε (needed when ``gp_weight`` > 0)."""
+        d_real, d_fake = self.discriminator(real), self.discriminator(fake)
+        if self.loss == "wgan-gp":
+            losses = {"d_real": -d_real.mean(), "d_fake": d_fake.mean()}
+        else:  # −log σ(D(x)) − log(1 − σ(D(G(z)))), written with softplus for stability
+            losses = {"d_real": F.softplus(-d_real).mean(), "d_fake": F.softplus(d_fake).mean()}
+        total = losses["d_real"] + losses["d_fake"]
+        if self.gp_weight > 0 and eps is not None:
+            losses["gp"] = gradient_penalty(self.discriminator, real, fake, eps)
+            total = total + self.gp_weight * losses["gp"]
+        return {**losses, "d": total}
+
+    def generator_loss(self, fake: torch.Tensor) -> torch.Tensor:
+        """G's loss through D: the non-saturating −log σ(D(G(z))), or WGAN's −D(G(z))."""
+        d_fake = self.discriminator(fake)
+        return -d_fake.mean() if self.loss == "wgan-gp" else F.softplus(-d_fake).mean()
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+    # --- training -------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        real = batch["x"].flatten(1)
+        every = self.accumulation.every
+        last = batch_idx + 1 == self.trainer.num_training_batches
+
+        # Discriminator micro-batch. Inside the block only D's weights require grad (toggle_optimizer);
+        # the fakes are detached as well, so D's backward stops at D's input whatever built them.
+        # It steps (in place) and zeroes its gradients on every `every`-th micro-batch.
+        with self.accumulation.micro_batch(opt_d, batch_idx, last) as backward:
+            z, eps = self.noise(len(real))
+            fake = self.generator(z).detach()
+            d_losses = self.discriminator_losses(real, fake, eps)
+            backward(d_losses["d"])
+        self._log_train(d_losses, len(real))
+
+        # Generator step after every n_critic-th D step. G's loss is built only now, through the D
+        # that opt_d.step() has just updated in place, never through a graph from before the step.
+        if (batch_idx + 1) % (self.n_critic * every) == 0:
+            g_losses = []
+            for index in range(every):
+                with self.accumulation.micro_batch(opt_g, index) as backward:
+                    z, _ = self.noise(len(real))
+                    g_loss = self.generator_loss(self.generator(z))
+                    backward(g_loss)
+                g_losses.append(g_loss.detach())
+            self._log_train({"g": torch.stack(g_losses).mean()}, len(real))
+
+    def _log_train(self, losses: dict[str, torch.Tensor], batch_size: int) -> None:
+        self.log_dict({f"loss/{k}": v.detach() for k, v in losses.items()}, on_step=True, batch_size=batch_size)
+
+    # --- validation: losses and mode coverage on a fixed evaluation noise -----------------------
+
+    def on_validation_epoch_start(self) -> None:
+        # Its own stream, restarted every epoch: each epoch is scored on the same noise, and validation
+        # never moves the global stream the training noise comes from.
+        self._eval_noise = torch.Generator(device=self.device).manual_seed(self.global_rank)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        real = batch["x"].flatten(1)
+        z = torch.randn(len(real), self.latent_dim, generator=self._eval_noise, device=self.device)
+        fake = self.generator(z)
+        losses = {"d": self.discriminator_losses(real, fake)["d"], "g": self.generator_loss(fake)}
+        self.log_dict({f"val/loss/{k}": v for k, v in losses.items()}, on_epoch=True, sync_dist=True)
+        if self.mode_coverage is not None:
+            self.mode_coverage.update(fake)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.mode_coverage is None:
+            return
+        # Every rank calls compute() (it gathers the states), whatever its own number of batches.
+        scores = self.mode_coverage.compute()
+        self.mode_coverage.reset()
+        self.log("val/modes", scores["modes"], prog_bar=True, sync_dist=True)  # equal on all ranks already
+        self.log("val/high_quality", scores["high_quality"], prog_bar=True, sync_dist=True)
+
+    # --- artifacts ------------------------------------------------------------------------------
+
+    def on_train_epoch_end(self) -> None:
+        for scheduler in self.lr_schedulers() or []:
+            scheduler.step()
+        if self.n_plot_samples and self.trainer.is_global_zero:
+            path = Path(self.trainer.default_root_dir) / "samples" / f"epoch_{self.current_epoch:03d}.png"
+            self.write_samples(path)
+
+    @torch.no_grad()
+    def write_samples(self, path: Path) -> None:
+        """Generated points over the real ones (2-D data), or a grid of generated images, as a PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        # Fixed plot noise from a private generator: the epochs' pictures are comparable, and
+        # rank zero drawing alone does not desynchronise the ranks' global streams.
+        z = torch.randn(self.n_plot_samples, self.latent_dim, generator=torch.Generator().manual_seed(0))
+        fake = self.generator(z.to(self.device)).cpu().numpy()
+        side = math.isqrt(self.data_dim)
+        if self.data_dim == 2:
+            fig, ax = plt.subplots(figsize=(4.5, 4.5))
+            ax.scatter(fake[:, 0], fake[:, 1], s=4, c="tab:red", alpha=0.5, label="generated")
+            train_set = getattr(self.trainer.datamodule, "train_set", None)
+            if train_set is not None:  # on top, small: the targets stay visible under the samples
+                real = train_set.datasets["x"][: self.n_plot_samples].numpy()  # a StackDataset of named tensors
+                ax.scatter(real[:, 0], real[:, 1], s=1, c="k", alpha=0.6, label="real")
+            ax.set_aspect("equal")
+            ax.legend(loc="upper right", fontsize=7, markerscale=3)
+        elif side * side == self.data_dim:
+            images = fake[:64].reshape(-1, side, side).clip(0, 1)
+            cols = 8
+            fig, axes = plt.subplots(math.ceil(len(images) / cols), cols, figsize=(4.5, 4.5))
+            for ax, image in zip(axes.flat, images):
+                ax.imshow(image, cmap="gray_r", vmin=0, vmax=1)
+            for ax in axes.flat:
+                ax.axis("off")
+        else:
+            return
+        fig.suptitle(f"epoch {self.current_epoch}, step {self.global_step}", fontsize=9)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=80)
+        plt.close(fig)

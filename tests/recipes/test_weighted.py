@@ -1,0 +1,227 @@
+"""`weighted`: one backward with grad_tensors=loss_weights == backward of Σ wᵢ·lossᵢ == Σ wᵢ·grad(lossᵢ).
+
+The recipe's gradient is taken from its real training step under the real Trainer (captured just
+before the optimizer step). The references are plain PyTorch written here from the parameters
+alone: their own forward pass, their own targets (class, odd/even, mean ink) and losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from lightning import seed_everything
+
+from multiloss import train
+from multiloss.config import ConfigError
+from recipes.weighted import weighted_backward
+from tests.helpers import GradCapture, assert_grads_close
+
+BATCH = 64
+QUICK = (
+    "recipe=weighted",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",
+    "logger=none",
+    "callbacks=none",
+)
+
+
+def _first_batch(cfg):
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    return next(iter(dm.train_dataloader()))
+
+
+def _lightning_step(make_cfg, *overrides):
+    """Gradients of the recipe's first optimizer step under the real Trainer, the module at its
+    initial weights, and how many times the trunk's backward ran in that step."""
+    cfg = make_cfg(*QUICK, "trainer.max_steps=1", *overrides)
+    seed_everything(cfg.seed)
+    model = instantiate(cfg.model)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    # Counts the gradients arriving at the trunk's output: once per backward pass through it.
+    trunk_backwards = []
+
+    def count_backwards(module, inputs, output):
+        output.register_hook(lambda grad: trunk_backwards.append(1))
+
+    model.trunk.register_forward_hook(count_backwards)
+    capture = GradCapture()
+    trainer = instantiate(cfg.trainer, callbacks=[capture], logger=False, enable_checkpointing=False)
+    trainer.fit(model, datamodule=instantiate(cfg.data))
+    model.load_state_dict(initial)  # back to the weights the captured gradient was taken at
+    assert len(capture.steps) == 1
+    return capture.steps[0], model, len(trunk_backwards)
+
+
+def _reference_losses(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], depth: int) -> list:
+    """The three task losses in plain PyTorch, from the parameters only (no recipe code)."""
+    h = batch["x"]
+    for i in range(depth):
+        h = torch.relu(F.linear(h, params[f"trunk.{i}.0.weight"], params[f"trunk.{i}.0.bias"]))
+    digit = F.linear(h, params["heads.digit.weight"], params["heads.digit.bias"])
+    parity = F.linear(h, params["heads.parity.weight"], params["heads.parity.bias"])[:, 0]
+    ink = F.linear(h, params["heads.ink.weight"], params["heads.ink.bias"])[:, 0]
+    y = batch["y"]
+    return [
+        F.cross_entropy(digit, y),
+        F.binary_cross_entropy_with_logits(parity, (y % 2 == 1).float()),
+        ((ink - batch["x"].sum(dim=1) / batch["x"].shape[1]) ** 2).mean(),
+    ]
+
+
+def _references(model, batch, weights):
+    """(backward of Σ wᵢ·lossᵢ, Σ wᵢ·autograd.grad(lossᵢ)) as name -> gradient maps."""
+    params = dict(model.named_parameters())
+    depth = model.hparams.depth
+    model.zero_grad(set_to_none=True)
+    losses = _reference_losses(params, batch, depth)
+    sum(w * loss for w, loss in zip(weights, losses)).backward()
+    summed = {n: p.grad.clone() for n, p in params.items()}
+
+    losses = _reference_losses(params, batch, depth)
+    per_task = {n: torch.zeros_like(p) for n, p in params.items()}
+    for w, loss in zip(weights, losses):
+        grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+        for n, g in zip(params, grads):
+            if g is not None:
+                per_task[n] += w * g
+    model.zero_grad(set_to_none=True)
+    return summed, per_task
+
+
+@pytest.mark.parametrize("weights", [None, [0.7, 1.3, 40.0], [1.0, 0.0, 30.0]])
+def test_weighted_backward_equals_backward_of_weighted_sum(make_cfg, weights):
+    overrides = [f"data.batch_size={BATCH}"]
+    if weights is not None:
+        overrides.append(f"model.loss_weights=[{','.join(map(str, weights))}]")
+    grads, model, trunk_backwards = _lightning_step(make_cfg, *overrides)
+    assert weights is not None or model.loss_weights == [1.0, 1.0, 30.0]  # the shipped default
+    batch = _first_batch(make_cfg(*QUICK, *overrides))
+
+    summed, per_task = _references(model, batch, model.loss_weights)
+    assert_grads_close(grads, summed, atol=1e-6)
+    assert_grads_close(grads, per_task, atol=1e-6)
+    # One backward through the trunk per step: not one per task.
+    assert trunk_backwards == 1
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if "parity" not in n)
+
+
+def test_zero_weight_leaves_its_head_with_zero_gradient(make_cfg):
+    grads, _, _ = _lightning_step(make_cfg, "model.loss_weights=[1.0,0.0,30.0]")
+    for name in ("heads.parity.weight", "heads.parity.bias"):
+        assert grads[name] is not None and torch.count_nonzero(grads[name]) == 0, name
+    for name in ("heads.digit.weight", "heads.ink.weight", "trunk.0.0.weight"):
+        assert torch.count_nonzero(grads[name]) > 0, name
+    # With the weight on, the same head does get a gradient: the zero above is the weight's doing.
+    grads_on, _, _ = _lightning_step(make_cfg, "model.loss_weights=[1.0,0.5,30.0]")
+    assert torch.count_nonzero(grads_on["heads.parity.weight"]) > 0
+
+
+def test_lightning_accumulation_scales_the_loss_vector(make_cfg):
+    """trainer.accumulate_grad_batches=2 of 32 == one batch of 64: Lightning's loss / k acts on the
+    vector before the recipe's weighted backward (the reason the recipe keeps automatic optimization)."""
+    grads, model, _ = _lightning_step(make_cfg, "data.batch_size=32", "trainer.accumulate_grad_batches=2")
+    batch = _first_batch(make_cfg(*QUICK, f"data.batch_size={BATCH}"))
+    summed, _ = _references(model, batch, model.loss_weights)
+    assert_grads_close(grads, summed, atol=1e-6)
+
+
+def _seed_graph():
+    """The seed's grad_tensors example: y0 = (x+w)(w+1), y1 = (x+w)+(w+1) at w=1, x=2."""
+    w = torch.tensor([1.0], requires_grad=True)
+    x = torch.tensor([2.0], requires_grad=True)
+    a, b = torch.add(w, x), torch.add(w, 1)
+    return w, x, torch.mul(a, b), torch.add(a, b)
+
+
+def test_seed_example_through_the_recipes_backward(make_cfg):
+    # dy0/dw = 5, dy1/dw = 2, weights [1, 2]: dw = 1·5 + 2·2 = 9; dx = 1·(w+1) + 2·1 = 4.
+    w, x, y0, y1 = _seed_graph()
+    weighted_backward(torch.cat([y0, y1]), torch.tensor([1.0, 2.0]))
+    assert w.grad.item() == 9.0 and x.grad.item() == 4.0
+
+    # The same numbers through the module's own backward hook (the one Lightning calls), with its
+    # configured loss_weights; the third task's weight 0 adds nothing.
+    model = instantiate(make_cfg("recipe=weighted", "model.loss_weights=[1,2,0]").model)
+    w, x, y0, y1 = _seed_graph()
+    model.backward(torch.cat([y0, y1, w * x * 7]))
+    assert w.grad.item() == 9.0 and x.grad.item() == 4.0
+
+    # And it did not keep the graph: a second backward finds it freed (no retain_graph anywhere).
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y0.backward()
+
+
+def test_the_pitfalls_it_replaces(make_cfg):
+    """On the real module: per-task backward without retain_graph fails on the second task (the
+    trunk's saved tensors are gone), and the bare loss vector cannot backward without weights."""
+    cfg = make_cfg(*QUICK)
+    model, batch = instantiate(cfg.model), _first_batch(cfg)
+    losses = model.losses(model(batch["x"]), model.targets(batch))
+    losses["digit"].backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        losses["parity"].backward()
+    losses = model.losses(model(batch["x"]), model.targets(batch))
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        torch.stack(list(losses.values())).backward()
+
+
+@pytest.mark.parametrize(
+    ("weights", "problem"),
+    [("[1.0,2.0]", "3 numbers"), ("[1.0,-1.0,1.0]", "non-negative"), ("[0,0,0]", "not all zero")],
+)
+def test_rejects_bad_loss_weights(make_cfg, tmp_path, weights, problem):
+    with pytest.raises(ConfigError, match=problem) as err:
+        train(make_cfg(*QUICK, "trainer.max_steps=1", f"model.loss_weights={weights}", output_dir=tmp_path))
+    assert err.value.key == "model.loss_weights"
+    assert not (tmp_path / "checkpoints").exists()  # rejected before training
+
+
+def test_logs_every_task_and_learns(make_cfg, tmp_path):
+    """Each task's loss and metric is logged under its own name, every task learns, the plot is written."""
+    cfg = make_cfg("recipe=weighted", "trainer.max_epochs=4", "trainer.accelerator=cpu", output_dir=tmp_path)
+    metrics = train(cfg)
+    assert metrics["val/acc/digit"] >= 0.8, metrics  # chance: 0.1
+    assert metrics["val/acc/parity"] >= 0.8, metrics  # chance: 0.5
+    # Baseline: predict the training set's mean ink for every validation image.
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    train_ink, val_ink = dm.train_set.datasets["x"].mean(dim=1), dm.val_set.datasets["x"].mean(dim=1)
+    baseline = (val_ink - train_ink.mean()).abs().mean().item()
+    assert metrics["val/mae/ink"] <= 0.85 * baseline, (metrics, baseline)
+
+    header = next((tmp_path / "csv").rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    for task in ("digit", "parity", "ink"):
+        assert {f"loss/{task}", f"val/loss/{task}"} <= set(header)
+    assert {"loss/total", "val/acc/digit", "val/acc/parity", "val/mae/ink"} <= set(header)
+    assert any(col.startswith("lr") for col in header)
+    assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
+    assert (tmp_path / "task_metrics.png").stat().st_size > 10_000
+    # The plot's history travels in the checkpoint (two validations per epoch), so a resumed run continues it.
+    history = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["task_metrics_history"]
+    assert len(history) == 8
+    assert history[-1]["digit accuracy"] == pytest.approx(metrics["val/acc/digit"])
+
+
+def test_resume_mid_epoch_continues_exactly(make_cfg, tmp_path):
+    """ckpt_path= with non-default loss_weights: the checkpoint loads (weights_only), training continues
+    on exactly the same weights as a straight run, and task_metrics.png's history carries on."""
+    small = ("recipe=weighted", "model.loss_weights=[1.0,0.5,30.0]", "model.width=32", "~callbacks.loss_curves")
+    train(make_cfg(*small, "trainer.max_steps=30", output_dir=tmp_path / "straight"))
+    train(make_cfg(*small, "trainer.max_steps=15", output_dir=tmp_path / "first"))
+    first = tmp_path / "first/checkpoints/last.ckpt"
+    train(make_cfg(*small, "trainer.max_steps=30", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
+
+    straight, resumed = (
+        torch.load(tmp_path / run / "checkpoints/last.ckpt", weights_only=True) for run in ("straight", "resumed")
+    )
+    assert resumed["hyper_parameters"]["loss_weights"] == [1.0, 0.5, 30.0]
+    for k, v in straight["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][k], v), k
+    assert [h["step"] for h in resumed["task_metrics_history"]] == [11.0, 22.0]
+    assert resumed["task_metrics_history"] == straight["task_metrics_history"]
