@@ -19,6 +19,15 @@ import multiloss  # noqa: F401  (registers the schema and the --help resolver)
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 # Quiet and quick: no progress bar, no config tree, no model summary.
+# One CPU process, no validation: the shape of most proof runs.
+ONE_CPU_NO_VAL = (
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",
+)
+# ... and no loggers or callbacks either (nothing written but what a test asks for).
+BARE = (*ONE_CPU_NO_VAL, "logger=none", "callbacks=none")
 QUIET = (
     "print_config=false",
     "~callbacks.progress_bar",

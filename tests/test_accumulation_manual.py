@@ -13,17 +13,13 @@ import lightning as L
 import pytest
 from hydra.utils import instantiate
 
+from tests.conftest import BARE
 from tests.helpers import GradCapture, assert_grads_close
 
 G_INDEX, D_INDEX = 0, 1
 BASE = (
     "recipe=gan",
-    "trainer.accelerator=cpu",
-    "trainer.devices=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.limit_val_batches=0",
-    "logger=none",
-    "callbacks=none",
+    *BARE,
     "model.width=32",
     "model.n_plot_samples=0",
     "model.n_critic=1",

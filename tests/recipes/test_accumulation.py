@@ -22,16 +22,13 @@ from lightning import seed_everything
 from multiloss import train
 from multiloss.config import ConfigError
 from multiloss.lr_scaling import effective_batch_size, lr_factor, scaled_lr
-from tests.conftest import load_weights
+from tests.conftest import ONE_CPU_NO_VAL, load_weights
 from tests.helpers import GradCapture
 
 FAST = (
     "recipe=accumulation",
     "optimizer=sgd",
-    "trainer.accelerator=cpu",
-    "trainer.devices=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.limit_val_batches=0",
+    *ONE_CPU_NO_VAL,
     "model.width=32",
 )
 

@@ -21,7 +21,7 @@ from multiloss.config import check_config
 from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
 from multiloss.metrics import ModeCoverage
 from recipes.gan import GAN, gradient_penalty
-from tests.conftest import load_weights
+from tests.conftest import BARE, load_weights
 from tests.helpers import assert_grads_close
 
 BATCH = 64
@@ -29,12 +29,7 @@ G_INDEX, D_INDEX = 0, 1  # configure_optimizers returns [opt_g, opt_d]
 # Small and quiet: no validation, no artifacts.
 QUICK = (
     "recipe=gan",
-    "trainer.accelerator=cpu",
-    "trainer.devices=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.limit_val_batches=0",
-    "logger=none",
-    "callbacks=none",
+    *BARE,
     f"data.batch_size={BATCH}",
     "model.width=32",
     "model.n_plot_samples=0",

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 
 from multiloss import train
+from tests.conftest import BARE
 from tests.helpers import GradCapture, assert_grads_close
 
 BATCH = 64
@@ -28,12 +29,7 @@ def _lightning_grads(make_cfg, *overrides):
     cfg = make_cfg(
         "recipe=multihead",
         "trainer.max_steps=1",
-        "trainer.accelerator=cpu",
-        "trainer.devices=1",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.limit_val_batches=0",
-        "logger=none",
-        "callbacks=none",
+        *BARE,
         f"data.batch_size={BATCH}",
         *overrides,
     )

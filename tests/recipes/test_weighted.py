@@ -16,17 +16,13 @@ from lightning import seed_everything
 from multiloss import train
 from multiloss.config import ConfigError
 from recipes.weighted import weighted_backward
+from tests.conftest import BARE
 from tests.helpers import GradCapture, assert_grads_close
 
 BATCH = 64
 QUICK = (
     "recipe=weighted",
-    "trainer.accelerator=cpu",
-    "trainer.devices=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.limit_val_batches=0",
-    "logger=none",
-    "callbacks=none",
+    *BARE,
 )
 
 
