@@ -60,6 +60,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from multiloss.accumulation import ManualAccumulation
 from multiloss.config import require
+from multiloss.distributed import synced
 from multiloss.metrics import ModeCoverage
 from multiloss.module import OptimizerFactory
 from multiloss.nets import mlp
@@ -119,6 +120,11 @@ class GAN(L.LightningModule):
             feature count. A single ``model.optimizer`` (``optimizer=sgd``) is an unknown key: the
             GAN has two.
     """
+
+    # Under multiloss's DDP each network gets its own wrapper, so a backward that reaches only one of
+    # them (every backward here) finds exactly the parameters DDP waits for: no
+    # find_unused_parameters=True graph walk (src/multiloss/distributed.py).
+    ddp_submodules = ("generator", "discriminator")
 
     def __init__(
         self,
@@ -239,19 +245,26 @@ class GAN(L.LightningModule):
         self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
         """D's loss ``d`` and its components; pass detached fakes, and ε (needed when ``gp_weight`` > 0)."""
-        d_real, d_fake = self.discriminator(real), self.discriminator(fake)
+        # Through D's own DDP wrapper (when there is one): this backward's D gradients are averaged
+        # across ranks, and it reaches no other parameters.
+        critic = synced(self, "discriminator")
+        d_real, d_fake = critic(real), critic(fake)
         if self.loss == "wgan-gp":
             losses = {"d_real": -d_real.mean(), "d_fake": d_fake.mean()}
         else:  # −log σ(D(x)) − log(1 − σ(D(G(z)))), written with softplus for stability
             losses = {"d_real": F.softplus(-d_real).mean(), "d_fake": F.softplus(d_fake).mean()}
         total = losses["d_real"] + losses["d_fake"]
         if self.gp_weight > 0 and eps is not None:
-            losses["gp"] = gradient_penalty(self.discriminator, real, fake, eps)
+            losses["gp"] = gradient_penalty(critic, real, fake, eps)
             total = total + self.gp_weight * losses["gp"]
         return {**losses, "d": total}
 
     def generator_loss(self, fake: torch.Tensor) -> torch.Tensor:
-        """G's loss through D: the non-saturating −log σ(D(G(z))), or WGAN's −D(G(z))."""
+        """G's loss through D: the non-saturating −log σ(D(G(z))), or WGAN's −D(G(z)).
+
+        D is called directly, not through its DDP wrapper: its weights are frozen for this step, so
+        no D gradient may be expected (or all-reduced) by this backward.
+        """
         d_fake = self.discriminator(fake)
         return -d_fake.mean() if self.loss == "wgan-gp" else F.softplus(-d_fake).mean()
 
@@ -283,7 +296,7 @@ class GAN(L.LightningModule):
             for index in range(every):
                 with self.accumulation.micro_batch(opt_g, index) as backward:
                     z, _ = self.noise(len(real))
-                    g_loss = self.generator_loss(self.generator(z))
+                    g_loss = self.generator_loss(synced(self, "generator")(z))
                     backward(g_loss)
                 g_losses.append(g_loss.detach())
             self._log_train({"g": torch.stack(g_losses).mean()}, len(real))

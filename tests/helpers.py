@@ -50,3 +50,46 @@ def assert_grads_close(
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
         worst = max(worst, (a - e).abs().max().item())
     return worst
+
+
+class AllReduceCounter(L.Callback):
+    """Counts DDP's gradient all-reduces (a comm hook on every DDP wrapper) and the optimizer steps.
+
+    Writes ``allreduce_rank<r>.json`` into ``dirpath`` when training ends, one file per rank, so a
+    test can read what happened inside real DDP processes.
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.allreduces = 0
+        self.steps = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from multiloss.distributed import _WRAPPERS
+
+        model = trainer.strategy.model
+        wrappers = (
+            [model] if isinstance(model, DistributedDataParallel) else list(getattr(pl_module, _WRAPPERS, {}).values())
+        )
+        assert wrappers, "no DDP wrapper: run this under a DDP strategy"
+        for wrapper in wrappers:
+            wrapper.register_comm_hook(state=None, hook=self._hook)
+
+    def _hook(self, state, bucket):
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.allreduces += 1
+        return allreduce_hook(dist.group.WORLD, bucket)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.steps += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+        from pathlib import Path
+
+        path = Path(self.dirpath) / f"allreduce_rank{trainer.global_rank}.json"
+        path.write_text(json.dumps({"allreduces": self.allreduces, "optimizer_steps": self.steps}))

@@ -2,11 +2,13 @@
 
 from multiloss.config import ConfigError, register_schema
 from multiloss.config.help import register as _register_help
+from multiloss.config.resolvers import register as _register_resolvers
 from multiloss.training import train
 
-# Hydra needs both before it composes `configs/train.yaml`: the typed top-level schema and the
-# resolver that fills `--help` with the recipe list.
+# Hydra needs these before it composes `configs/train.yaml`: the typed top-level schema, the
+# resolver that fills `--help` with the recipe list, and the run-dir stamp.
 register_schema()
 _register_help()
+_register_resolvers()
 
 __all__ = ["ConfigError", "train"]

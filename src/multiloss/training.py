@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from multiloss.callbacks import RngState
 from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
+from multiloss.distributed import resolve_strategy
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -31,7 +32,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # RngState is not optional: exact resume is part of the contract of `ckpt_path=`.
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v] + [RngState()]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
-    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # Lightning's name "ddp" is built as multiloss's DDPStrategy (Hydra-job children, one wrapper
+    # per network for multi-optimizer recipes); everything else goes to Lightning as given.
+    trainer: L.Trainer = _build(
+        "trainer",
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=loggers or False,
+        **resolve_strategy(cfg.trainer.get("strategy")),
+    )
     # Settings only the recipe can judge against the built Trainer (e.g. trainer.gradient_clip_val
     # under manual optimization): rejected here, before any file is written.
     if callable(check := getattr(model, "check_trainer", None)):

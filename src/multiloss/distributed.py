@@ -1,0 +1,160 @@
+"""Lightning's DDP, with two things multiloss's recipes need from it.
+
+1. **Hydra jobs, not command lines.** Lightning's subprocess launcher starts ranks > 0 by re-running
+   ``sys.argv``. Under ``python train.py -m seed=1,2 trainer=ddp_cpu`` that is the whole sweep, so
+   every job's child ranks launch the sweep again. Here the children re-run *the job*: its own
+   overrides (``seed=1``) and its own output dir (the sweep subdir), as a plain run.
+2. **One DDP wrapper per network** for modules with several optimizers (the GAN). One wrapper
+   around the whole module expects every parameter to get a gradient in every backward; the
+   discriminator step never reaches the generator, so stock DDP needs the slower
+   ``find_unused_parameters=True`` (a graph walk per backward). A module that lists
+   ``ddp_submodules`` gets each listed network wrapped on its own, and calls a network through
+   `synced` where its gradients must be averaged across ranks: each backward then reaches exactly
+   the parameters its wrapper expects.
+
+``trainer.strategy=ddp`` (the Lightning name) is built as this strategy by `multiloss.train`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Generator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from unittest import mock
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies.launchers import subprocess_script
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+_WRAPPERS = "_multiloss_ddp_wrappers"
+
+
+def synced(module: L.LightningModule, name: str) -> nn.Module:
+    """The network ``name`` of ``module`` as its own DDP wrapper when there is one, else the network itself.
+
+    Call a network through this when its parameters' gradients must be averaged across ranks in the
+    backward that follows; call it directly (``self.discriminator(x)``) when they must not (the
+    generator step's pass through a discriminator whose parameters are frozen for that step).
+    """
+    wrapper = getattr(module, _WRAPPERS, {}).get(name)
+    return wrapper if wrapper is not None else getattr(module, name)
+
+
+def job_command(local_rank: int) -> tuple[Sequence[str], str]:
+    """The command that runs *this Hydra job* (not the whole command line) for a child rank."""
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, os.path.abspath(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    # Keep how the user pointed at the config (--config-path/-cp, --config-name/-cn, --config-dir/-cd).
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg.split("=")[0] in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"):
+            command += [arg] if "=" in arg else [arg, args[i + 1]]
+    command += list(hydra_cfg.overrides.task)
+    command += [
+        f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
+        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",
+    ]
+    return command, get_original_cwd()
+
+
+class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, starting children with `job_command` when Hydra is running.
+
+    After the job it leaves the launching process as it found it, so the next job of a sweep in
+    the same process launches its own ranks again (see `finish`).
+    """
+
+    _ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+    def _call_children_scripts(self) -> None:
+        self._env_before = {key: os.environ.get(key) for key in self._ENV}
+        # Lightning builds the child command in this module-level function; swapping it for the
+        # duration of the launch keeps all of Lightning's environment handling (MASTER_ADDR,
+        # LOCAL_RANK, WORLD_SIZE, PL_GLOBAL_SEED, ...) instead of a copy of it.
+        with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", job_command):
+            super()._call_children_scripts()
+
+    def finish(self) -> None:
+        """Undo what launching did to this process: the job's process group and environment.
+
+        Lightning sets LOCAL_RANK & co. in the launching process and leaves its process group up;
+        the next job would then believe its ranks were started for it ("LOCAL_RANK" set means
+        "processes created externally") and wait for ranks that never come, or reuse a group whose
+        peers have exited.
+        """
+        if not self.procs:
+            return
+        for proc in self.procs:
+            proc.wait()
+        _destroy_dist_connection()
+        for key, value in self._env_before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class DDPStrategy(LightningDDPStrategy):
+    """Lightning's `DDPStrategy` (all its arguments) that launches Hydra jobs and wraps networks one by one."""
+
+    strategy_name = "multiloss_ddp"
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is subprocess_script._SubprocessScriptLauncher:
+            self._launcher = _HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def configure_ddp(self) -> None:
+        names = tuple(getattr(self.lightning_module, "ddp_submodules", ()) or ())
+        if not names:
+            super().configure_ddp()
+            return
+        module = self.lightning_module
+        wrappers = {name: self._setup_model(getattr(module, name)) for name in names}
+        # A plain attribute, not a submodule: the module's state_dict (and so every checkpoint)
+        # keeps the same keys on one device and on many.
+        object.__setattr__(module, _WRAPPERS, wrappers)
+        if self._ddp_comm_hook is not None:
+            for wrapper in wrappers.values():
+                wrapper.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        wrappers: dict[str, DistributedDataParallel] = getattr(self.lightning_module, _WRAPPERS, {})
+        if not wrappers:
+            with super().block_backward_sync():
+                yield
+            return
+        with ExitStack() as stack:
+            for wrapper in wrappers.values():
+                stack.enter_context(wrapper.no_sync())
+            yield
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and hasattr(module, _WRAPPERS):
+            object.__delattr__(module, _WRAPPERS)
+        super().teardown()
+        if isinstance(self._launcher, _HydraJobLauncher):
+            self._launcher.finish()
+
+
+def resolve_strategy(strategy: Any) -> dict[str, Any]:
+    """Trainer kwargs that build ``strategy="ddp"`` (Lightning's name) as multiloss's `DDPStrategy`.
+
+    Empty for anything else, which Lightning (or Hydra, for a ``_target_`` node) builds as given.
+    """
+    return {"strategy": DDPStrategy()} if strategy == "ddp" else {}

@@ -1,0 +1,216 @@
+"""Real DDP on 2 CPU ranks (gloo): every recipe runs, 2 ranks × b == 1 rank × 2b, one all-reduce per
+optimizer step under accumulation, Hydra multirun × DDP, torchrun, and the SLURM launcher config.
+
+Each run is `python train.py ...` in a subprocess, as a user starts it (Lightning's DDP launcher
+re-executes the script for rank 1, which a test process cannot host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import CONFIG_DIR, ROOT, load_weights, run_cli
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+QUIET = (
+    "print_config=false",
+    "~callbacks.progress_bar",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "~callbacks.loss_curves",
+)
+DDP = ("trainer=ddp_cpu",)
+ONE = ("trainer=cpu",)
+
+
+def _train(out: Path, *overrides: str) -> Path:
+    proc = run_cli(*QUIET, *overrides, f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def _counter(out: Path) -> tuple[str, str]:
+    return ("+callbacks.allreduce._target_=tests.helpers.AllReduceCounter", f"+callbacks.allreduce.dirpath={out}")
+
+
+def _counts(out: Path) -> list[dict[str, int]]:
+    return [json.loads((out / f"allreduce_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _assert_same_weights(a: Path, b: Path, atol: float = 1e-6) -> float:
+    wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
+    assert wa.keys() == wb.keys()
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert worst <= atol, f"2 ranks × b and 1 rank × 2b differ by {worst:.3g}"
+    return worst
+
+
+# recipe -> overrides shared by both runs; SGD so equal gradients mean equal weights (not Adam's ±lr).
+EQUIVALENCE = {
+    "multihead": ("optimizer=sgd", "trainer.max_steps=6"),
+    "weighted": ("optimizer=sgd", "trainer.max_steps=6", "trainer.val_check_interval=null"),
+    # k=2 under DDP: also counts the all-reduces (one per optimizer step, not one per micro-batch).
+    "accumulation": ("trainer.accumulate_grad_batches=2", "trainer.max_steps=5"),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(EQUIVALENCE))
+def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, recipe):
+    common = (f"recipe={recipe}", "data.shuffle=false", *EQUIVALENCE[recipe])
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16", *_counter(tmp_path / "ddp"))
+    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=32")
+    _assert_same_weights(two, one)
+    # Exactly one gradient all-reduce per optimizer step on each rank (small models: one bucket).
+    for counts in _counts(two):
+        assert counts["optimizer_steps"] > 0
+        assert counts["allreduces"] == counts["optimizer_steps"], counts
+    # Logging, checkpoints and plots happen once, on rank zero.
+    assert len(list(two.rglob("metrics.csv"))) == 1
+    assert len(list((two / "checkpoints").glob("*.ckpt"))) == 1
+
+
+def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path):
+    """The GAN's discriminator and generator steps on 2 ranks × b equal 1 rank × 2b, with the
+    manual accumulation helper (k=2): one all-reduce per optimizer step, and no
+    find_unused_parameters (each backward reaches only its own network's DDP wrapper)."""
+    common = (
+        "recipe=gan",
+        "data.shuffle=false",
+        "model.n_plot_samples=0",
+        "model.n_critic=2",
+        "model.accumulate_grad_batches=2",
+        "optimizer@model.d_optimizer=sgd",
+        "optimizer@model.g_optimizer=sgd",
+        "model.d_optimizer.lr=0.05",
+        "model.g_optimizer.lr=0.05",
+        "model.lr_schedule=constant",
+        "trainer.max_steps=6",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16", *_counter(tmp_path / "ddp"))
+    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=32")
+    _assert_same_weights(two, one)
+    for counts in _counts(two):
+        assert counts["optimizer_steps"] == 6
+        assert counts["allreduces"] == 6, counts  # not 12: the non-stepping micro-batches skip it
+    config = OmegaConf.load(two / ".hydra/config.yaml")
+    assert config.trainer.strategy == "ddp"  # multiloss's DDPStrategy, find_unused_parameters off
+
+
+def test_tbptt_runs_under_ddp(tmp_path):
+    out = _train(
+        tmp_path / "ddp", "recipe=tbptt", *DDP, "trainer.max_steps=8", "data.seq_len=64", "trainer.limit_val_batches=2"
+    )
+    assert torch.load(out / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 8
+    assert list((out / "samples").glob("*.txt"))
+
+
+def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
+    """Stock Lightning re-runs `sys.argv` in rank 1, i.e. the whole `-m` sweep, inside every job;
+    multiloss's launcher re-runs the job (its overrides, its output dir)."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "recipe=multihead",
+            "seed=1,2",
+            *DDP,
+            "trainer.max_steps=3",
+            *QUIET,
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = proc.stdout + proc.stderr
+    assert said.count("Launching 2 jobs") == 1  # no relaunched sweep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray outputs/ or lightning_logs/
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    for job, seed in (("0", 1), ("1", 2)):
+        out = sweep / job
+        assert OmegaConf.load(out / ".hydra/config.yaml").seed == seed
+        assert (out / "train_rank1.log").exists()  # its rank 1 ran this job, here
+        assert torch.load(out / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_torchrun_launch(tmp_path):
+    """torchrun starts both ranks itself; Lightning sees the torchelastic environment."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "train.py"),
+            "recipe=gan",
+            "trainer.strategy=ddp",
+            "trainer.devices=2",
+            "trainer.accelerator=cpu",
+            "trainer.max_steps=6",
+            "model.n_plot_samples=0",
+            *QUIET,
+            f"hydra.run.dir={out}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr
+    assert torch.load(out / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
+    assert len(list(out.rglob("metrics.csv"))) == 1
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "tbptt", "accumulation"])
+def test_bf16_mixed_precision_runs_every_recipe(make_cfg, tmp_path, recipe):
+    from multiloss import train
+
+    extra = ("data.seq_len=64",) if recipe == "tbptt" else ()
+    metrics = train(
+        make_cfg(
+            f"recipe={recipe}",
+            "trainer=cpu",
+            "trainer.precision=bf16-mixed",
+            "trainer.max_steps=4",
+            "trainer.limit_val_batches=1",
+            "logger=none",
+            "callbacks=none",
+            *extra,
+            output_dir=tmp_path,
+        )
+    )
+    assert metrics and all(v == v for v in metrics.values())  # trained and logged, no NaN
+
+
+def test_slurm_launcher_config_composes():
+    """It cannot run here (no SLURM); it composes, and sizes the job from the trainer's settings."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2"],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
