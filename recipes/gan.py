@@ -100,10 +100,13 @@ class GAN(L.LightningModule):
 
     ``accumulate_grad_batches`` = k > 1 accumulates each network's steps over k micro-batches
     (`multiloss.accumulation.ManualAccumulation`; Lightning's own ``trainer.accumulate_grad_batches``
-    refuses manual optimization). The noise comes from torch's global RNG (resumed exactly by
-    multiloss's RngState), drawn for the whole global batch and sharded like the data, so k
-    micro-batches of b draw what one batch of k·b draws, and so do 2 ranks × b and 1 rank × 2b
-    (on CPU, for b a multiple of 16).
+    refuses manual optimization). The training noise comes from the module's own generator, seeded
+    with ``noise_seed`` (``${seed}`` in the config) and saved in every checkpoint, drawn for the whole
+    global batch and sharded like the data: so k micro-batches of b draw what one batch of k·b
+    draws, and so do 2 ranks × b and 1 rank × 2b (on CPU, for b a multiple of 16), and a resumed
+    run draws what the uninterrupted one did. Not torch's global stream: Lightning's DDP re-seeds
+    that at setup (``reset_seed``) while a one-device run keeps what model initialisation left of
+    it, so the two would draw different noise from the same seed.
 
     Logs per step ``loss/d`` (= ``loss/d_real`` + ``loss/d_fake`` + λ·``loss/gp``) and, on generator
     steps, ``loss/g``; per epoch ``val/loss/d``, ``val/loss/g`` and, on Gaussian-mixture data,
@@ -140,6 +143,7 @@ class GAN(L.LightningModule):
         depth: int = 3,
         lr_schedule: Literal["linear", "constant"] = "linear",
         n_plot_samples: int = 1000,
+        noise_seed: int = 0,
     ) -> None:
         super().__init__()
         for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
@@ -161,7 +165,9 @@ class GAN(L.LightningModule):
         self.g_optimizer_factory, self.d_optimizer_factory = g_optimizer, d_optimizer
         self.loss, self.n_critic, self.gp_weight = loss, n_critic, gp_weight
         self.latent_dim, self.data_dim, self.n_plot_samples = latent_dim, data_dim, n_plot_samples
-        self.lr_schedule = lr_schedule
+        self.lr_schedule, self.noise_seed = lr_schedule, noise_seed
+        self._noise: torch.Generator | None = None  # made on first use, on the module's device
+        self._noise_state: torch.Tensor | None = None  # from a checkpoint, applied when it is made
         self.accumulation = ManualAccumulation(self, accumulate_grad_batches)
 
         # ReLU MLPs without BatchNorm or dropout: the penalty is per sample, and a batch split over
@@ -231,15 +237,31 @@ class GAN(L.LightningModule):
     def noise(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` latent vectors (n, latent_dim) and interpolation weights ε ∈ (0, 1) (n, 1) for this rank.
 
-        One draw of one row per sample from torch's global RNG, for the whole global batch; this rank
-        keeps every world_size-th row from its rank on, the way the data sampler shards the batch.
-        Drawing n per rank would give every rank the same noise (the ranks' streams are seeded
-        alike), and drawing z and ε in separate calls would make k micro-batches draw differently
-        from one batch of k·b.
+        One draw of one row per sample from the module's noise generator, for the whole global
+        batch; this rank keeps every world_size-th row from its rank on, the way the data sampler
+        shards the batch. Drawing n per rank would give every rank the same noise (the ranks'
+        generators are seeded alike), and drawing z and ε in separate calls would make k
+        micro-batches draw differently from one batch of k·b.
         """
         world = self.trainer.world_size if self._trainer is not None else 1
-        rows = torch.randn(n * world, self.latent_dim + 1, device=self.device)[self.global_rank :: world]
+        rows = torch.randn(n * world, self.latent_dim + 1, generator=self._noise_generator(), device=self.device)
+        rows = rows[self.global_rank :: world]
         return rows[:, :-1], torch.special.ndtr(rows[:, -1:])  # ndtr: Φ, so ε is uniform
+
+    def _noise_generator(self) -> torch.Generator:
+        if self._noise is None:
+            self._noise = torch.Generator(device=self.device).manual_seed(self.noise_seed)
+            if self._noise_state is not None:
+                self._noise.set_state(self._noise_state)
+                self._noise_state = None
+        return self._noise
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self._noise is not None:
+            checkpoint["gan_noise_state"] = self._noise.get_state()  # a uint8 tensor: weights_only loads it
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._noise, self._noise_state = None, checkpoint.get("gan_noise_state")
 
     def discriminator_losses(
         self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None
