@@ -61,7 +61,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from multiloss.accumulation import ManualAccumulation
 from multiloss.config import require
 from multiloss.distributed import synced
-from multiloss.metrics import ModeCoverage
+from multiloss.metrics import EpochMeans, ModeCoverage
 from multiloss.module import OptimizerFactory
 from multiloss.nets import mlp
 
@@ -176,6 +176,7 @@ class GAN(L.LightningModule):
         self.generator = mlp([latent_dim, *hidden, data_dim])
         self.discriminator = mlp([data_dim, *hidden, 1])
         self.mode_coverage: ModeCoverage | None = None  # set in setup() when the data has modes
+        self.epoch_means = EpochMeans()  # the validation losses, averaged over every rank's examples
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
 
     def configure_optimizers(self) -> list[Optimizer] | tuple[list[Optimizer], list[LambdaLR]]:
@@ -338,7 +339,7 @@ class GAN(L.LightningModule):
         z = torch.randn(len(real), self.latent_dim, generator=self._eval_noise, device=self.device)
         fake = self.generator(z)
         losses = {"d": self.discriminator_losses(real, fake)["d"], "g": self.generator_loss(fake)}
-        self.log_dict({f"val/loss/{k}": v for k, v in losses.items()}, on_epoch=True, sync_dist=True)
+        self.epoch_means.log(self, losses, "val/loss/", len(real))
         if self.mode_coverage is not None:
             self.mode_coverage.update(fake)
 

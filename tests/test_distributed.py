@@ -7,6 +7,7 @@ re-executes the script for rank 1, which a test process cannot host).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -34,9 +35,21 @@ ONE = ("trainer=cpu",)
 
 
 def _train(out: Path, *overrides: str) -> Path:
-    proc = run_cli(*QUIET, *overrides, f"hydra.run.dir={out}")
+    # From the run dir's parent: a file written outside the run dir would show up beside it.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = run_cli(*QUIET, *overrides, f"hydra.run.dir={out}", cwd=out.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
+
+
+def _last_logged(out: Path) -> dict[str, float]:
+    """The last value of every column of the run's metrics.csv."""
+    (path,) = out.rglob("metrics.csv")
+    last: dict[str, float] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            last.update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return last
 
 
 def _counter(out: Path) -> tuple[str, str]:
@@ -56,11 +69,12 @@ def _assert_same_weights(a: Path, b: Path, atol: float = 1e-6) -> float:
 
 
 # recipe -> overrides shared by both runs; SGD so equal gradients mean equal weights (not Adam's ±lr).
+# Validation runs once, on the final batch (val_check_interval counts batches, i.e. micro-batches).
 EQUIVALENCE = {
-    "multihead": ("optimizer=sgd", "trainer.max_steps=6"),
-    "weighted": ("optimizer=sgd", "trainer.max_steps=6", "trainer.val_check_interval=null"),
+    "multihead": ("optimizer=sgd", "trainer.max_steps=6", "trainer.val_check_interval=6"),
+    "weighted": ("optimizer=sgd", "trainer.max_steps=6", "trainer.val_check_interval=6"),
     # k=2 under DDP: also counts the all-reduces (one per optimizer step, not one per micro-batch).
-    "accumulation": ("trainer.accumulate_grad_batches=2", "trainer.max_steps=5"),
+    "accumulation": ("trainer.accumulate_grad_batches=2", "trainer.max_steps=5", "trainer.val_check_interval=10"),
 }
 
 
@@ -74,9 +88,36 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, recipe):
     for counts in _counts(two):
         assert counts["optimizer_steps"] > 0
         assert counts["allreduces"] == counts["optimizer_steps"], counts
-    # Logging, checkpoints and plots happen once, on rank zero.
+    # Logging, checkpoints and plots happen once, on rank zero, and nothing lands outside the run dirs.
     assert len(list(two.rglob("metrics.csv"))) == 1
     assert len(list((two / "checkpoints").glob("*.ckpt"))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp", "one"]
+    # Validation metrics are reduced across ranks: each rank scored half the validation set, and
+    # the logged numbers are those of the whole set, as on one rank.
+    logged_two, logged_one = _last_logged(two), _last_logged(one)
+    val = sorted(k for k in logged_one if k.startswith("val/"))
+    assert "val/acc" in val or "val/acc/digit" in val, val
+    assert {k: logged_two[k] for k in val} == pytest.approx({k: logged_one[k] for k in val}, abs=1e-6)
+
+
+def test_lr_rule_counts_the_ranks(tmp_path):
+    """accumulation: the effective batch is batch_size × k × world_size. 2 ranks × 16 × k=2 and 1 rank
+    × 32 × k=2 both step on 64 examples, so both use lr 0.1 × 64/64; a rule that forgot the ranks
+    would give the DDP run 0.05 (and the weights of the test above would differ)."""
+    steps = ("trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0")
+    two = _train(
+        tmp_path / "ddp", "recipe=accumulation", *DDP, "data.batch_size=16", "trainer.accumulate_grad_batches=2", *steps
+    )
+    one = _train(
+        tmp_path / "one", "recipe=accumulation", *ONE, "data.batch_size=32", "trainer.accumulate_grad_batches=2", *steps
+    )
+    for out, world_size in ((two, 2), (one, 1)):
+        scaling = json.loads((out / "lr_scaling.json").read_text())
+        assert (scaling["world_size"], scaling["effective_batch_size"]) == (world_size, 64)
+        assert _last_logged(out)["lr-SGD"] == pytest.approx(0.1 * 64 / 64)
+    # And 2 ranks at the recipe's own batch (32 × k=4 × 2 = 256 vs base 64): linear gives 0.4.
+    big = _train(tmp_path / "big", "recipe=accumulation", *DDP, *steps)
+    assert _last_logged(big)["lr-SGD"] == pytest.approx(0.4)
 
 
 def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path):
