@@ -65,6 +65,7 @@ def _assert_same_weights(a: Path, b: Path, atol: float = 1e-6) -> float:
     assert wa.keys() == wb.keys()
     worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
     assert worst <= atol, f"2 ranks × b and 1 rank × 2b differ by {worst:.3g}"
+    print(f"2 ranks × b vs 1 rank × 2b: largest weight difference {worst:.2g}")  # for the record (pytest -s)
     return worst
 
 
@@ -157,11 +158,9 @@ def test_tbptt_runs_under_ddp(tmp_path):
     assert list((out / "samples").glob("*.txt"))
 
 
-def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
-    """Stock Lightning re-runs `sys.argv` in rank 1, i.e. the whole `-m` sweep, inside every job;
-    multiloss's launcher re-runs the job (its overrides, its output dir)."""
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
+def _sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``python train.py -m recipe=multihead seed=1,2 trainer=ddp_cpu ...``: 2 jobs × 2 ranks."""
+    return subprocess.run(
         [
             sys.executable,
             str(ROOT / "train.py"),
@@ -171,7 +170,8 @@ def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
             *DDP,
             "trainer.max_steps=3",
             *QUIET,
-            f"hydra.sweep.dir={sweep}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            *overrides,
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -179,6 +179,22 @@ def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
         timeout=600,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
+
+
+def test_multirun_sweep_with_stock_lightning_ddp_relaunches_the_sweep(tmp_path):
+    """The failing alternative, reproduced: Lightning's own DDPStrategy starts rank 1 by re-running
+    `sys.argv`, which under `-m` is the whole sweep, so the sweep is launched a second time inside
+    job 0. (Here its job 1 then happens to pair with the parent's job 1 through the process group
+    job 0 left up; with jobs of other lengths or sizes the ranks mismatch or wait forever.)"""
+    proc = _sweep(tmp_path, "trainer.strategy={_target_:lightning.pytorch.strategies.DDPStrategy}")
+    said = proc.stdout + proc.stderr
+    assert said.count("Launching 2 jobs") == 2, said[-4000:]
+
+
+def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
+    """multiloss's launcher starts rank 1 on the job (its overrides, its output dir), not the sweep."""
+    sweep = tmp_path / "sweep"
+    proc = _sweep(tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     said = proc.stdout + proc.stderr
     assert said.count("Launching 2 jobs") == 1  # no relaunched sweep
@@ -221,6 +237,7 @@ def test_torchrun_launch(tmp_path):
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr
     assert torch.load(out / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
     assert len(list(out.rglob("metrics.csv"))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # both ranks wrote into the one run dir
 
 
 @pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "tbptt", "accumulation"])
