@@ -208,8 +208,8 @@ def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
 
 
 def test_torchrun_launch(tmp_path):
-    """torchrun starts both ranks itself; Lightning sees the torchelastic environment."""
-    out = tmp_path / "run"
+    """torchrun starts both ranks itself; Lightning sees the torchelastic environment. Each rank
+    composes its own config, and both land in one run dir named after the launch, not the clock."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -225,7 +225,6 @@ def test_torchrun_launch(tmp_path):
             "trainer.max_steps=6",
             "model.n_plot_samples=0",
             *QUIET,
-            f"hydra.run.dir={out}",
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -235,9 +234,11 @@ def test_torchrun_launch(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    (out,) = (tmp_path / "outputs/gan").iterdir()  # one run dir for both ranks
+    assert out.name.startswith("torchrun-")
     assert torch.load(out / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
     assert len(list(out.rglob("metrics.csv"))) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # both ranks wrote into the one run dir
 
 
 @pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "tbptt", "accumulation"])
