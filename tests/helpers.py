@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -93,3 +94,21 @@ class AllReduceCounter(L.Callback):
 
         path = Path(self.dirpath) / f"allreduce_rank{trainer.global_rank}.json"
         path.write_text(json.dumps({"allreduces": self.allreduces, "optimizer_steps": self.steps}))
+
+
+def straight_and_resumed(
+    make_cfg: Callable, tmp_path: Path, common: Iterable[str], stop: str, end: str
+) -> tuple[Path, Path, Path]:
+    """Three real runs: straight to ``end``; to ``stop``; and from that run's ``last.ckpt`` on to ``end``.
+
+    ``stop`` and ``end`` are overrides (``trainer.max_steps=12``); returns the run dirs
+    ``(straight, first, resumed)``, so a test compares what the resume must have kept.
+    """
+    from multiloss import train
+
+    common = tuple(common)
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    train(make_cfg(*common, end, output_dir=straight))
+    train(make_cfg(*common, stop, output_dir=first))
+    train(make_cfg(*common, end, f"ckpt_path={first / 'checkpoints/last.ckpt'}", output_dir=resumed))
+    return straight, first, resumed

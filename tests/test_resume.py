@@ -11,6 +11,7 @@ import torch
 
 from multiloss import train
 from tests.conftest import load_weights
+from tests.helpers import straight_and_resumed
 
 SMALL = (
     "recipe=multihead",
@@ -30,31 +31,21 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def test_resume_at_epoch_boundary_equals_straight_run(make_cfg, tmp_path):
-    train(make_cfg(*SMALL, "trainer.max_epochs=2", output_dir=tmp_path / "straight"))
-    train(make_cfg(*SMALL, "trainer.max_epochs=1", output_dir=tmp_path / "first"))
-    first = tmp_path / "first/checkpoints/last.ckpt"
-    train(make_cfg(*SMALL, "trainer.max_epochs=2", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
-
-    straight = load_weights(tmp_path / "straight/checkpoints/last.ckpt")
-    _assert_same(load_weights(tmp_path / "resumed/checkpoints/last.ckpt"), straight)
+    runs = straight_and_resumed(make_cfg, tmp_path, SMALL, stop="trainer.max_epochs=1", end="trainer.max_epochs=2")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
+    _assert_same(resumed, straight)
     # And the comparison is not vacuous: the second epoch moved the weights.
-    assert any((load_weights(first)[k] - straight[k]).abs().max() > 1e-4 for k in straight)
+    assert any((first[k] - straight[k]).abs().max() > 1e-4 for k in straight)
 
 
 @pytest.mark.parametrize("stop_at", [5, 17])
 def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path, stop_at):
     # 1438 training examples / 128 = 12 batches an epoch: step 5 is mid-epoch 0, step 17 mid-epoch 1.
-    total = 20
-    train(make_cfg(*SMALL, f"trainer.max_steps={total}", output_dir=tmp_path / "straight"))
-    train(make_cfg(*SMALL, f"trainer.max_steps={stop_at}", output_dir=tmp_path / "first"))
-    first = tmp_path / "first/checkpoints/last.ckpt"
-    assert torch.load(first, weights_only=False)["global_step"] == stop_at
-    train(make_cfg(*SMALL, f"trainer.max_steps={total}", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
-
-    _assert_same(
-        load_weights(tmp_path / "resumed/checkpoints/last.ckpt"),
-        load_weights(tmp_path / "straight/checkpoints/last.ckpt"),
+    straight, first, resumed = straight_and_resumed(
+        make_cfg, tmp_path, SMALL, stop=f"trainer.max_steps={stop_at}", end="trainer.max_steps=20"
     )
+    assert torch.load(first / "checkpoints/last.ckpt", weights_only=True)["global_step"] == stop_at
+    _assert_same(load_weights(resumed / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
 
 
 def test_resume_from_periodic_checkpoint_equals_straight_run(make_cfg, tmp_path):

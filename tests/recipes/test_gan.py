@@ -22,7 +22,7 @@ from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
 from multiloss.metrics import ModeCoverage
 from recipes.gan import GAN, gradient_penalty
 from tests.conftest import BARE, load_weights
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_grads_close, straight_and_resumed
 
 BATCH = 64
 G_INDEX, D_INDEX = 0, 1  # configure_optimizers returns [opt_g, opt_d]
@@ -315,16 +315,12 @@ def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path):
         "model.width=32",
         "model.n_plot_samples=0",
     )
-    train(make_cfg(*small, "trainer.max_steps=24", output_dir=tmp_path / "straight"))
-    train(make_cfg(*small, "trainer.max_steps=12", output_dir=tmp_path / "first"))
-    first = tmp_path / "first/checkpoints/last.ckpt"
-    train(make_cfg(*small, "trainer.max_steps=24", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
-    straight = load_weights(tmp_path / "straight/checkpoints/last.ckpt")
-    resumed = load_weights(tmp_path / "resumed/checkpoints/last.ckpt")
+    runs = straight_and_resumed(make_cfg, tmp_path, small, stop="trainer.max_steps=12", end="trainer.max_steps=24")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert any(not torch.equal(load_weights(first)[k], straight[k]) for k in straight)
+    assert any(not torch.equal(first[k], straight[k]) for k in straight)
     # The schedule did move: epoch 2 ran at half the learning rate (1 - 2/4).
-    lrs = torch.load(tmp_path / "straight/checkpoints/last.ckpt", weights_only=True)["optimizer_states"]
+    lrs = torch.load(runs[0] / "checkpoints/last.ckpt", weights_only=True)["optimizer_states"]
     assert [state["param_groups"][0]["lr"] for state in lrs] == pytest.approx([5e-4, 5e-4])
 
 

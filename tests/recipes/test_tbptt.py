@@ -23,7 +23,7 @@ from multiloss import ConfigError, train
 from multiloss.data.text import CharVocab, PydocTextDataModule, pydoc_text
 from recipes.tbptt import TruncatedBPTT
 from tests.conftest import load_weights, run_cli
-from tests.helpers import GradCapture, assert_grads_close
+from tests.helpers import GradCapture, assert_grads_close, straight_and_resumed
 
 TINY = (
     "recipe=tbptt",
@@ -431,14 +431,10 @@ RESUMABLE = (
 
 def test_resume_across_an_epoch_end_is_exact(make_cfg, tmp_path):
     """1 + 1 epochs == 2 epochs, through the epoch-end sample and the vocabulary check on load."""
-    train(make_cfg(*RESUMABLE, "trainer.max_epochs=2", output_dir=tmp_path / "straight"))
-    train(make_cfg(*RESUMABLE, "trainer.max_epochs=1", output_dir=tmp_path / "first"))
-    first = tmp_path / "first/checkpoints/last.ckpt"
-    train(make_cfg(*RESUMABLE, "trainer.max_epochs=2", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
-    straight = load_weights(tmp_path / "straight/checkpoints/last.ckpt")
-    resumed = load_weights(tmp_path / "resumed/checkpoints/last.ckpt")
+    runs = straight_and_resumed(make_cfg, tmp_path, RESUMABLE, stop="trainer.max_epochs=1", end="trainer.max_epochs=2")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert any(not torch.equal(straight[k], load_weights(first)[k]) for k in straight)
+    assert any(not torch.equal(straight[k], first[k]) for k in straight)
     assert (tmp_path / "resumed/samples/epoch_001.txt").read_text() == (
         tmp_path / "straight/samples/epoch_001.txt"
     ).read_text()

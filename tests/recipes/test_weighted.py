@@ -17,7 +17,7 @@ from multiloss import train
 from multiloss.config import ConfigError
 from recipes.weighted import weighted_backward
 from tests.conftest import BARE
-from tests.helpers import GradCapture, assert_grads_close
+from tests.helpers import GradCapture, assert_grads_close, straight_and_resumed
 
 BATCH = 64
 QUICK = (
@@ -208,14 +208,8 @@ def test_resume_mid_epoch_continues_exactly(make_cfg, tmp_path):
     """ckpt_path= with non-default loss_weights: the checkpoint loads (weights_only), training continues
     on exactly the same weights as a straight run, and task_metrics.png's history carries on."""
     small = ("recipe=weighted", "model.loss_weights=[1.0,0.5,30.0]", "model.width=32", "~callbacks.loss_curves")
-    train(make_cfg(*small, "trainer.max_steps=30", output_dir=tmp_path / "straight"))
-    train(make_cfg(*small, "trainer.max_steps=15", output_dir=tmp_path / "first"))
-    first = tmp_path / "first/checkpoints/last.ckpt"
-    train(make_cfg(*small, "trainer.max_steps=30", f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
-
-    straight, resumed = (
-        torch.load(tmp_path / run / "checkpoints/last.ckpt", weights_only=True) for run in ("straight", "resumed")
-    )
+    runs = straight_and_resumed(make_cfg, tmp_path, small, stop="trainer.max_steps=15", end="trainer.max_steps=30")
+    straight, _, resumed = (torch.load(run / "checkpoints/last.ckpt", weights_only=True) for run in runs)
     assert resumed["hyper_parameters"]["loss_weights"] == [1.0, 0.5, 30.0]
     for k, v in straight["state_dict"].items():
         assert torch.equal(resumed["state_dict"][k], v), k
