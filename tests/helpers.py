@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from multiloss.distributed import ddp_wrappers
 
 
 class GradCapture(L.Callback):
@@ -66,22 +72,13 @@ class AllReduceCounter(L.Callback):
         self.steps = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        from multiloss.distributed import _WRAPPERS
-
         model = trainer.strategy.model
-        wrappers = (
-            [model] if isinstance(model, DistributedDataParallel) else list(getattr(pl_module, _WRAPPERS, {}).values())
-        )
+        wrappers = [model] if isinstance(model, DistributedDataParallel) else list(ddp_wrappers(pl_module).values())
         assert wrappers, "no DDP wrapper: run this under a DDP strategy"
         for wrapper in wrappers:
             wrapper.register_comm_hook(state=None, hook=self._hook)
 
     def _hook(self, state, bucket):
-        import torch.distributed as dist
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         self.allreduces += 1
         return allreduce_hook(dist.group.WORLD, bucket)
 
@@ -89,9 +86,6 @@ class AllReduceCounter(L.Callback):
         self.steps += 1
 
     def on_train_end(self, trainer, pl_module) -> None:
-        import json
-        from pathlib import Path
-
         path = Path(self.dirpath) / f"allreduce_rank{trainer.global_rank}.json"
         path.write_text(json.dumps({"allreduces": self.allreduces, "optimizer_steps": self.steps}))
 

@@ -36,6 +36,11 @@ from torch.nn.parallel import DistributedDataParallel
 _WRAPPERS = "_multiloss_ddp_wrappers"
 
 
+def ddp_wrappers(module: L.LightningModule) -> dict[str, DistributedDataParallel]:
+    """The per-network DDP wrappers `DDPStrategy` gave ``module`` (name -> wrapper); empty otherwise."""
+    return getattr(module, _WRAPPERS, {})
+
+
 def synced(module: L.LightningModule, name: str) -> nn.Module:
     """The network ``name`` of ``module`` as its own DDP wrapper when there is one, else the network itself.
 
@@ -43,7 +48,7 @@ def synced(module: L.LightningModule, name: str) -> nn.Module:
     backward that follows; call it directly (``self.discriminator(x)``) when they must not (the
     generator step's pass through a discriminator whose parameters are frozen for that step).
     """
-    wrapper = getattr(module, _WRAPPERS, {}).get(name)
+    wrapper = ddp_wrappers(module).get(name)
     return wrapper if wrapper is not None else getattr(module, name)
 
 
@@ -133,7 +138,7 @@ class DDPStrategy(LightningDDPStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        wrappers: dict[str, DistributedDataParallel] = getattr(self.lightning_module, _WRAPPERS, {})
+        wrappers = ddp_wrappers(self.lightning_module)
         if not wrappers:
             with super().block_backward_sync():
                 yield

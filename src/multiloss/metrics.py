@@ -27,13 +27,16 @@ class EpochMeans(nn.ModuleDict):
 
     def log(self, module: L.LightningModule, values: Mapping[str, torch.Tensor], prefix: str, batch_size: int) -> None:
         """Add this batch's ``values`` (means over ``batch_size`` examples) and log each as ``<prefix><name>``."""
-        path = next(name for name, child in module.named_modules() if child is self)
+        if not hasattr(self, "_path"):  # where the module holds it: Lightning finds logged metrics by path
+            self._path = next(name for name, child in module.named_modules() if child is self)
         for name, value in values.items():
             if name not in self:
                 self[name] = MeanMetric().to(value.device)
             self[name].update(value.detach(), weight=batch_size)
             # Lightning calls compute() (which syncs the ranks) at the epoch's end, then reset().
-            module.log(f"{prefix}{name}", self[name], on_step=False, on_epoch=True, metric_attribute=f"{path}.{name}")
+            module.log(
+                f"{prefix}{name}", self[name], on_step=False, on_epoch=True, metric_attribute=f"{self._path}.{name}"
+            )
 
 
 class ModeCoverage(Metric):
