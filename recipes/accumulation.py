@@ -18,33 +18,39 @@ micro-batches that do not step), and the LR is scaled by a stated rule from the 
 hand-written loop, that the LR in the optimizer is the rule's, and where the equivalence breaks.
 
     python train.py recipe=accumulation
+    python train.py --config-dir my_configs recipe=accumulation net=my_mlp data=npz data.path=F
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 from torch.optim import Optimizer
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss.config import require
+from multiloss.batches import require_keys
+from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.config import ConfigError, require
 from multiloss.lr_scaling import effective_batch_size, lr_factor
-from multiloss.module import OptimizerFactory, RecipeModule
-from multiloss.nets import dense_block
+from multiloss.module import Recipe, call_component, describe_batch, describe_output
 
 
-class Accumulation(RecipeModule):
-    """Gradient accumulation on digits: k micro-batches per step, LR scaled by the effective batch (linear/sqrt/none).
+class Accumulation(Recipe):
+    """Gradient accumulation: k micro-batches per step, LR scaled by the effective batch (linear/sqrt/none).
 
-    A digits MLP (``depth`` dense blocks of ``width``, then a linear classifier) trained with
-    Lightning's automatic optimization and ``trainer.accumulate_grad_batches = k``. The optimizer's
+    Components:
+        net (group ``net``, default ``mlp``: `multiloss.nets.MLP`, a digits classifier): any
+            classifier, ``forward(x)`` -> logits ``(batch, classes, ...)`` for ``F.cross_entropy``.
+        optimizer (group ``optimizer``, default ``sgd``): a ``_partial_`` optimizer config.
+        data: batches with ``x`` and ``y`` (class indices); ``(x, y)`` tuples too. The data module
+            must have ``batch_size`` (the LR rule needs it).
+
+    Lightning's automatic optimization with ``trainer.accumulate_grad_batches = k``. The optimizer's
     configured LR (``model.optimizer.lr``) is the LR for ``base_batch_size`` examples per step; at
     fit start each param group's LR is multiplied by the ``lr_scaling`` rule's factor for the
     effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal et al. 2017, for
@@ -53,47 +59,55 @@ class Accumulation(RecipeModule):
     logged as ``scaling/*`` and written to ``lr_scaling.json`` in the run dir.
     Logs ``loss/total`` (cross-entropy) per micro-batch, ``val/loss/total`` and ``val/acc``.
 
-    No dropout or BatchNorm by default: with either, k micro-batches of b stop being one batch of
-    k·b (BatchNorm normalises each micro-batch by its own statistics, dropout draws other masks).
-    Both stay available (``model.batch_norm``, ``model.dropout``) for models that need them.
+    The shipped net has no dropout or BatchNorm by default: with either, k micro-batches of b stop
+    being one batch of k·b (BatchNorm normalises each micro-batch by its own statistics, dropout
+    draws other masks). Both stay available (``model.net.batch_norm``, ``model.net.dropout``).
 
     Raises:
-        ConfigError: ``base_batch_size``, ``depth`` or ``width`` < 1; ``dropout`` outside [0, 1);
-            ``trainer.accumulate_grad_batches`` < 1 (at fit start, before the first step).
+        ConfigError: ``base_batch_size`` < 1; ``trainer.accumulate_grad_batches`` < 1 (at fit start,
+            before the first step); at setup, a net whose output ``F.cross_entropy`` cannot compare
+            with the data's ``y``.
     """
 
     def __init__(
         self,
-        optimizer: OptimizerFactory,
+        net: Any,
+        optimizer: Any = None,
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
-        in_features: int = 64,
-        num_classes: int = 10,
-        width: int = 128,
-        depth: int = 2,
-        dropout: float = 0.0,
-        batch_norm: bool = False,
     ) -> None:
-        super().__init__(optimizer)
+        super().__init__()
         require(
             base_batch_size >= 1,
             "base_batch_size",
             base_batch_size,
             "an integer ≥ 1: the examples per optimizer step that model.optimizer.lr was tuned for",
         )
-        require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of hidden blocks)")
-        require(width >= 1, "width", width, "an integer ≥ 1")
-        require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
-        # The optimizer factory stays out: checkpoints then load with torch.load(weights_only=True).
-        self.save_hyperparameters(ignore=["optimizer"], logger=False)
+        net, optimizer = plain(net), plain(optimizer)
+        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        self.net = build_module(net, "net")
+        self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
         self.scaling: dict[str, float | int | str] = {}
         self.scaled_lrs: list[float] = []
+        self.val_acc: MulticlassAccuracy | None = None  # made by the component check: the class count is the net's
 
-        sizes = [in_features] + [width] * depth
-        blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
-        self.net = nn.Sequential(*blocks, nn.Linear(width, num_classes))
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+    def check_components(self, batch: dict[str, Any]) -> None:
+        require_keys(batch, ("x", "y"), "the net's input and the class of each example")
+        net, given = self.component_name("net"), describe_batch(batch)
+        logits = call_component("model.net", net, self.net, batch["x"], given=given)
+        if not isinstance(logits, torch.Tensor):
+            raise ConfigError(
+                "model.net",
+                net,
+                "a classifier whose forward(x) returns one logits tensor",
+                f"it returned {describe_output(logits)}",
+            )
+        call_component(
+            "model.net", net, F.cross_entropy, logits, batch["y"], given=f"logits {describe_output(logits)}; {given}"
+        )
+        if self.val_acc is None or self.val_acc.num_classes != logits.shape[1]:
+            self.val_acc = MulticlassAccuracy(logits.shape[1], average="micro").to(self.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -104,8 +118,11 @@ class Accumulation(RecipeModule):
         trainer = self.trainer
         batch_size = getattr(trainer.datamodule, "batch_size", None)
         if batch_size is None:
-            raise RuntimeError(
-                "recipe accumulation scales the LR by data.batch_size: fit it with a datamodule that has `batch_size`"
+            raise ConfigError(
+                "data",
+                type(trainer.datamodule).__name__,
+                "a data module with a `batch_size` attribute (the LR rule scales by data.batch_size × k × world size)",
+                "no batch_size",
             )
         accumulate, world_size = trainer.accumulate_grad_batches, trainer.world_size
         # Lightning itself accepts 0 here and fails later on a modulo by zero.
@@ -118,7 +135,7 @@ class Accumulation(RecipeModule):
         effective = effective_batch_size(batch_size, accumulate, world_size)
         factor = lr_factor(effective, self.base_batch_size, self.lr_scaling)
 
-        optimizer = self.optimizer_factory(self.parameters())
+        optimizer = super().configure_optimizers()
         base_lr = optimizer.param_groups[0]["lr"]
         # The LR goes into the param groups themselves (not a scaled loss or a scheduler), so the
         # optimizer, the checkpoint and LearningRateMonitor's `lr-<Optimizer>` column all hold the
@@ -162,14 +179,16 @@ class Accumulation(RecipeModule):
             sync_dist=True,  # the same on every rank; keeps Lightning's DDP epoch-logging check quiet
         )
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        batch = self.named_batch(batch)
         loss = F.cross_entropy(self(batch["x"]), batch["y"])
         self.log_losses({"total": loss}, batch_size=len(batch["y"]))
         # The micro-batch's mean loss; Lightning divides it by k before backward, so k micro-batches
         # of b sum to the gradient of the mean over k·b examples (the seeds' `loss / accumulation_steps`).
         return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
         logits = self(batch["x"])
         self.log_losses({"total": F.cross_entropy(logits, batch["y"])}, prefix="val/loss/", batch_size=len(batch["y"]))
         self.val_acc(logits, batch["y"])

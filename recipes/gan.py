@@ -1,7 +1,7 @@
 """Recipe `gan`: two networks, two optimizers, one shared tensor between them — cut it with detach().
 
 A GAN needs two backward passes per step, the discriminator's and the generator's, and both losses
-are built on the same generated samples. The seed's version of the mistake (seeds/004): compute
+are built on the same generated samples. The field notes' version of the mistake: compute
 ``fake = G(z)``, backward the discriminator's loss on ``fake`` itself, step D, then backward the
 generator's loss through the same ``fake``. The second backward raises
 
@@ -42,6 +42,7 @@ and D's weights silently get no gradient from it (a finite-difference check in t
     python train.py recipe=gan data=gaussians25    # 25 on a grid
     python train.py recipe=gan model.loss=nonsaturating model.gp_weight=0 model.n_critic=1
     python train.py recipe=gan data=digits model.data_dim=64 model.latent_dim=16
+    python train.py --config-dir my_configs recipe=gan generator=my_gen discriminator=my_critic
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -59,11 +60,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from multiloss.accumulation import ManualAccumulation
-from multiloss.config import require
+from multiloss.batches import require_keys
+from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
-from multiloss.metrics import EpochMeans, ModeCoverage
-from multiloss.module import OptimizerFactory
-from multiloss.nets import mlp
+from multiloss.metrics import ModeCoverage
+from multiloss.module import Recipe, call_component, describe_output
 
 
 def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -72,8 +74,9 @@ def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, 
     ``create_graph=True``: the penalty is a function of a gradient, and its own gradient w.r.t. the
     critic's weights needs the graph of that gradient (a double backward).
     """
+    eps = eps.view(-1, *[1] * (real.dim() - 1))  # one ε per sample, whatever the sample's shape
     x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
-    # Summing is exact here: each output depends on its own input row only (no BatchNorm in D).
+    # Summing is exact when each score depends on its own sample only (no BatchNorm in the critic).
     (grad,) = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
     return ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
 
@@ -82,8 +85,21 @@ def _linear_decay(epoch: int, epochs: int) -> float:
     return max(0.0, 1 - epoch / epochs)
 
 
-class GAN(L.LightningModule):
-    """GAN on 2-D Gaussian mixtures (or digits): two optimizers, detached fakes, n_critic D steps per G step.
+class GAN(Recipe):
+    """GAN: a generator and a discriminator, two optimizers, detached fakes, n_critic D steps per G step.
+
+    Components:
+        generator (group ``generator``, default ``mlp``: `multiloss.nets.MLP` from ``latent_dim`` to
+            ``data_dim`` features): ``generator(z)`` with ``z`` of shape ``(batch, latent_dim)``
+            returns samples of the data's sample shape (checked at setup).
+        discriminator (group ``discriminator``, default ``mlp``): ``discriminator(x)`` returns one
+            score (a logit) per sample, shape ``(batch,)`` or ``(batch, 1)``. No BatchNorm: the
+            gradient penalty is per sample, and split batches must give the same gradients.
+        g_optimizer, d_optimizer (options of the ``optimizer`` group, default ``adam_gan``).
+        data: batches with ``x`` (real samples, any shape); ``(x,)`` / ``(x, y)`` tuples too.
+
+    ``latent_dim`` is the noise's width; ``data_dim`` is read by the shipped ``mlp`` options only
+    (``${model.data_dim}`` in their configs): the recipe itself takes the sample shape from the data.
 
     Manual optimization with two optimizers, ``model.g_optimizer`` and ``model.d_optimizer`` (each
     picked from the ``optimizer`` group: ``optimizer@model.d_optimizer=sgd``). Per training batch:
@@ -112,15 +128,18 @@ class GAN(L.LightningModule):
     steps, ``loss/g``; per epoch ``val/loss/d``, ``val/loss/g`` and, on Gaussian-mixture data,
     ``val/modes`` (modes hit) and ``val/high_quality`` (share of samples within 3σ of a mode) from
     a fixed evaluation noise. Writes ``samples/epoch_<n>.png`` into the run dir at every epoch end:
-    real vs generated points, or a grid of generated images for ``data_dim`` a square (digits).
+    real vs generated points for 2-D samples, or a grid of generated images for image-shaped samples
+    (``(H, W)``, ``(1 or 3, H, W)``, or a square number of features such as the digits' 64).
 
     Raises:
-        ConfigError: ``n_critic``, ``accumulate_grad_batches``, ``latent_dim``, ``data_dim``,
-            ``width`` or ``depth`` < 1; ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``;
+        ConfigError: ``n_critic``, ``accumulate_grad_batches``, ``latent_dim`` or ``data_dim`` < 1;
+            ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``;
             ``n_plot_samples`` < 0; ``trainer.accumulate_grad_batches`` ≠ 1 (use
             ``model.accumulate_grad_batches``) or ``trainer.gradient_clip_val`` set (Lightning cannot
-            honour either under manual optimization); at fit start, ``data_dim`` ≠ the data's
-            feature count. A single ``model.optimizer`` (``optimizer=sgd``) is an unknown key: the
+            honour either under manual optimization); at setup (before any step or write), a
+            generator whose samples do not have the data's shape (with the shipped ``mlp``: set
+            ``model.data_dim`` to the data's feature count) or a discriminator that does not give
+            one score per sample. A single ``model.optimizer`` (``optimizer=sgd``) is an unknown key: the
             GAN has two.
     """
 
@@ -131,16 +150,16 @@ class GAN(L.LightningModule):
 
     def __init__(
         self,
-        g_optimizer: OptimizerFactory,
-        d_optimizer: OptimizerFactory,
+        generator: Any,
+        discriminator: Any,
+        g_optimizer: Any = None,
+        d_optimizer: Any = None,
         loss: Literal["nonsaturating", "wgan-gp"] = "nonsaturating",
         n_critic: int = 1,
         gp_weight: float = 0.0,
         accumulate_grad_batches: int = 1,
         latent_dim: int = 2,
         data_dim: int = 2,
-        width: int = 128,
-        depth: int = 3,
         lr_schedule: Literal["linear", "constant"] = "linear",
         n_plot_samples: int = 1000,
         noise_seed: int = 0,
@@ -148,8 +167,6 @@ class GAN(L.LightningModule):
         super().__init__()
         for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
             require(value >= 1, key, value, "an integer ≥ 1")
-        require(width >= 1, "width", width, "an integer ≥ 1 (hidden units per layer, both networks)")
-        require(depth >= 1, "depth", depth, "an integer ≥ 1 (hidden layers, both networks)")
         require(gp_weight >= 0, "gp_weight", gp_weight, "a number ≥ 0 (0 = no gradient penalty)")
         require(
             loss != "wgan-gp" or gp_weight > 0,
@@ -159,27 +176,34 @@ class GAN(L.LightningModule):
             "Lipschitz), or loss=nonsaturating",
         )
         require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
-        # The optimizer factories stay out: checkpoints then load with torch.load(weights_only=True).
-        self.save_hyperparameters(ignore=["g_optimizer", "d_optimizer"], logger=False)
+        generator, discriminator = plain(generator), plain(discriminator)
+        g_optimizer, d_optimizer = plain(g_optimizer), plain(d_optimizer)
+        given = objects_given(
+            generator=generator, discriminator=discriminator, g_optimizer=g_optimizer, d_optimizer=d_optimizer
+        )
+        self.save_hyperparameters(ignore=given, logger=False)
         self.automatic_optimization = False
-        self.g_optimizer_factory, self.d_optimizer_factory = g_optimizer, d_optimizer
+        self.g_optimizer_factory = build_optimizer_factory(g_optimizer, "g_optimizer")
+        self.d_optimizer_factory = build_optimizer_factory(d_optimizer, "d_optimizer")
         self.loss, self.n_critic, self.gp_weight = loss, n_critic, gp_weight
-        self.latent_dim, self.data_dim, self.n_plot_samples = latent_dim, data_dim, n_plot_samples
+        self.latent_dim, self.n_plot_samples = latent_dim, n_plot_samples
         self.lr_schedule, self.noise_seed = lr_schedule, noise_seed
         self._noise: torch.Generator | None = None  # made on first use, on the module's device
         self._noise_state: torch.Tensor | None = None  # from a checkpoint, applied when it is made
         self.accumulation = ManualAccumulation(self, accumulate_grad_batches)
 
-        # ReLU MLPs without BatchNorm or dropout: the penalty is per sample, and a batch split over
-        # micro-batches or ranks must give the same gradients.
-        hidden = [width] * depth
-        self.generator = mlp([latent_dim, *hidden, data_dim])
-        self.discriminator = mlp([data_dim, *hidden, 1])
+        self.generator = build_module(generator, "generator")
+        self.discriminator = build_module(discriminator, "discriminator")
+        self.sample_shape: tuple[int, ...] | None = None  # a data sample's shape, seen by the component check
         self.mode_coverage: ModeCoverage | None = None  # set in setup() when the data has modes
-        self.epoch_means = EpochMeans()  # the validation losses, averaged over every rank's examples
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
 
     def configure_optimizers(self) -> list[Optimizer] | tuple[list[Optimizer], list[LambdaLR]]:
+        for key, factory in (("g_optimizer", self.g_optimizer_factory), ("d_optimizer", self.d_optimizer_factory)):
+            if factory is None:
+                raise ConfigError(
+                    f"model.{key}", None, "an optimizer config (optimizer@model.{key}=adam_gan)", "not set"
+                )
         # Named param groups: LearningRateMonitor logs `lr-<Optimizer>/generator` and `.../discriminator`.
         opt_g = self.g_optimizer_factory([{"params": self.generator.parameters(), "name": "generator"}])
         opt_d = self.d_optimizer_factory([{"params": self.discriminator.parameters(), "name": "discriminator"}])
@@ -211,27 +235,39 @@ class GAN(L.LightningModule):
             "Lightning cannot clip gradients under manual optimization",
         )
 
-    def configure_callbacks(self) -> list[L.Callback]:
-        # The earliest hook Lightning calls on the module in fit(): the same check for a Trainer built
-        # by hand, before Lightning's own (a bare MisconfigurationException) and before any training.
-        self.check_trainer(self.trainer)
-        return []
+    def check_components(self, batch: dict[str, Any]) -> None:
+        require_keys(batch, ("x",), "the real samples")
+        real = batch["x"]
+        z = torch.randn(len(real), self.latent_dim, generator=torch.Generator().manual_seed(0)).to(self.device)
+        gen, critic = self.component_name("generator"), self.component_name("discriminator")
+        fake = call_component("model.generator", gen, self.generator, z, given=f"z: {describe_output(z)}")
+        if not isinstance(fake, torch.Tensor) or fake.shape != real.shape:
+            raise ConfigError(
+                "model.generator",
+                gen,
+                f"a generator whose samples have the data's sample shape {tuple(real.shape[1:])} "
+                f"(from z of model.latent_dim={self.latent_dim}); with the shipped mlp, set model.data_dim="
+                f"{real[0].numel()} (e.g. python train.py recipe=gan data=digits model.data_dim=64)",
+                f"for {len(real)} latent vectors it returned {describe_output(fake)}",
+            )
+        for what, x in (("real", real), ("generated", fake)):
+            scores = call_component(
+                "model.discriminator", critic, self.discriminator, x, given=f"{what} samples {describe_output(x)}"
+            )
+            if not isinstance(scores, torch.Tensor) or scores.numel() != len(x) or scores.shape[0] != len(x):
+                raise ConfigError(
+                    "model.discriminator",
+                    critic,
+                    "a discriminator that returns one score per sample, shape (batch,) or (batch, 1)",
+                    f"for {what} samples {describe_output(x)} it returned {describe_output(scores)}",
+                )
+        self.sample_shape = tuple(real.shape[1:])
 
     def setup(self, stage: str) -> None:
-        datamodule = self.trainer.datamodule
-        train_set = getattr(datamodule, "train_set", None)
-        if train_set is not None:
-            features = train_set[0]["x"].numel()
-            require(
-                features == self.data_dim,
-                "model.data_dim",
-                self.data_dim,
-                f"the data's feature count, {features} (e.g. python train.py recipe=gan data=digits model.data_dim=64)",
-                "does not match the data",
-            )
-        centers = getattr(datamodule, "centers", None)
+        super().setup(stage)
+        centers = getattr(self.trainer.datamodule, "centers", None)
         if centers is not None and self.mode_coverage is None:
-            self.mode_coverage = ModeCoverage(centers, datamodule.std).to(self.device)
+            self.mode_coverage = ModeCoverage(centers, self.trainer.datamodule.std).to(self.device)
 
     # --- the pieces: noise, the two losses ------------------------------------------------------
 
@@ -296,9 +332,10 @@ class GAN(L.LightningModule):
 
     # --- training -------------------------------------------------------------------------------
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
         opt_g, opt_d = self.optimizers()
-        real = batch["x"].flatten(1)
+        real = batch["x"]
         every = self.accumulation.every
         last = batch_idx + 1 == self.trainer.num_training_batches
 
@@ -334,8 +371,9 @@ class GAN(L.LightningModule):
         # never moves the global stream the training noise comes from.
         self._eval_noise = torch.Generator(device=self.device).manual_seed(self.global_rank)
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        real = batch["x"].flatten(1)
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
+        real = batch["x"]
         z = torch.randn(len(real), self.latent_dim, generator=self._eval_noise, device=self.device)
         fake = self.generator(z)
         losses = {"d": self.discriminator_losses(real, fake)["d"], "g": self.generator_loss(fake)}
@@ -372,23 +410,23 @@ class GAN(L.LightningModule):
         # Fixed plot noise from a private generator: the epochs' pictures are comparable, and
         # rank zero drawing alone does not desynchronise the ranks' global streams.
         z = torch.randn(self.n_plot_samples, self.latent_dim, generator=torch.Generator().manual_seed(0))
-        fake = self.generator(z.to(self.device)).cpu().numpy()
-        side = math.isqrt(self.data_dim)
-        if self.data_dim == 2:
+        fake = self.generator(z.to(self.device)).float().cpu()
+        images = _as_images(fake)
+        if fake[0].numel() == 2:
+            fake = fake.reshape(len(fake), 2).numpy()
             fig, ax = plt.subplots(figsize=(4.5, 4.5))
             ax.scatter(fake[:, 0], fake[:, 1], s=4, c="tab:red", alpha=0.5, label="generated")
-            train_set = getattr(self.trainer.datamodule, "train_set", None)
-            if train_set is not None:  # on top, small: the targets stay visible under the samples
-                real = train_set.datasets["x"][: self.n_plot_samples].numpy()  # a StackDataset of named tensors
+            datasets = getattr(getattr(self.trainer.datamodule, "train_set", None), "datasets", None)
+            if isinstance(datasets, dict) and "x" in datasets:  # on top, small: the targets stay visible
+                real = datasets["x"][: self.n_plot_samples].reshape(-1, 2).numpy()
                 ax.scatter(real[:, 0], real[:, 1], s=1, c="k", alpha=0.6, label="real")
             ax.set_aspect("equal")
             ax.legend(loc="upper right", fontsize=7, markerscale=3)
-        elif side * side == self.data_dim:
-            images = fake[:64].reshape(-1, side, side).clip(0, 1)
+        elif images is not None:
             cols = 8
-            fig, axes = plt.subplots(math.ceil(len(images) / cols), cols, figsize=(4.5, 4.5))
+            fig, axes = plt.subplots(math.ceil(len(images) / cols), cols, figsize=(4.5, 4.5), squeeze=False)
             for ax, image in zip(axes.flat, images):
-                ax.imshow(image, cmap="gray_r", vmin=0, vmax=1)
+                ax.imshow(image.numpy(), cmap="gray_r" if image.dim() == 2 else None, vmin=0, vmax=1)
             for ax in axes.flat:
                 ax.axis("off")
         else:
@@ -397,3 +435,22 @@ class GAN(L.LightningModule):
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=80)
         plt.close(fig)
+
+
+def _as_images(samples: torch.Tensor, n: int = 64) -> torch.Tensor | None:
+    """Up to ``n`` samples as images in [0, 1] — ``(H, W)`` grey or ``(H, W, 3)`` colour — or None if not images.
+
+    Image-shaped means ``(H, W)``, ``(1, H, W)``, ``(3, H, W)``, or a flat square number of features (8×8 digits).
+    """
+    samples = samples[:n]
+    shape = tuple(samples.shape[1:])
+    if len(shape) == 3 and shape[0] in (1, 3):
+        images = samples.squeeze(1) if shape[0] == 1 else samples.permute(0, 2, 3, 1)
+    elif len(shape) == 2:
+        images = samples
+    elif len(shape) == 1 and shape[0] > 2 and math.isqrt(shape[0]) ** 2 == shape[0]:
+        side = math.isqrt(shape[0])
+        images = samples.reshape(-1, side, side)
+    else:
+        return None
+    return images.clamp(0, 1)

@@ -1,4 +1,4 @@
-"""Recipe `multihead`: deep supervision — several classification heads on one trunk, one backward.
+"""Recipe `multihead`: deep supervision — several classification heads on one network, one backward.
 
 The seeds' first question: a loss made of several heads' losses, where does ``backward()`` go?
 Calling it once per head inside the loop raises
@@ -9,103 +9,123 @@ because the first call frees the trunk's saved tensors. ``retain_graph=True`` si
 cost of keeping every graph alive until the last call. The right answer is the plain one: sum the
 heads' losses and call backward once. The gradients are the same (autograd adds the heads'
 contributions where they meet in the trunk; `tests/recipes/test_multihead.py` proves it against
-both per-head alternatives) and the graph is walked once.
+both per-head alternatives with `multiloss.testing`) and the graph is walked once.
 
     python train.py recipe=multihead
+    python train.py --config-dir my_configs recipe=multihead net=my_cnn
 """
 
 from __future__ import annotations
 
-import itertools
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss.config import require
-from multiloss.module import OptimizerFactory, RecipeModule
-from multiloss.nets import dense_block
+from multiloss.batches import require_keys
+from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.config import ConfigError, require
+from multiloss.module import Recipe, call_component, describe_batch, describe_output
 
 
-class MultiHead(RecipeModule):
-    """Deep supervision on digits: auxiliary heads at several depths plus a final head, one summed backward.
+class MultiHead(Recipe):
+    """Deep supervision: several classification heads of one network, Σ wᵢ·CE(headᵢ), one backward.
 
-    A trunk of ``depth`` dense blocks; after block i a linear head i (heads 0..depth-2 auxiliary,
-    GoogLeNet style; head depth-1 the final classifier). Loss = Σ wᵢ·CE(headᵢ), one backward
-    (Lightning's automatic optimization). Logs ``loss/head{i}`` and ``loss/total`` per step,
-    ``val/loss/head{i}`` and ``val/acc/head{i}`` per epoch, and ``val/acc`` (final head).
+    Components:
+        net (group ``net``, default ``deep_mlp``: `multiloss.nets.DeepSupervisionMLP` on digits):
+            ``forward(x)`` returns a list or tuple of logits, one per head, deepest last; each is
+            ``(batch, classes, ...)``, what ``F.cross_entropy(logits, y)`` takes.
+        optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
+        data: batches with ``x`` (the net's input) and ``y`` (class indices); ``(x, y)`` tuples too.
 
-    No dropout or BatchNorm by default, so a batch split over micro-batches or ranks gives the
-    same gradient; both are options (``model.dropout``, ``model.batch_norm``).
+    Loss = Σ wᵢ·CE(headᵢ, y) with ``head_weights`` (one per head; null = equal), one backward
+    (Lightning's automatic optimization, so accumulation, clipping, AMP and DDP work as usual). Logs
+    ``loss/head{i}`` and ``loss/total`` per step, ``val/loss/head{i}`` and ``val/acc/head{i}`` per
+    validation, and ``val/acc`` (the last head's).
+
+    The shipped net has no dropout or BatchNorm by default, so a batch split over micro-batches or
+    ranks gives the same gradient; both are options (``model.net.dropout``, ``model.net.batch_norm``).
 
     Raises:
-        ConfigError: ``depth`` or ``width`` < 1; ``head_weights`` not one non-negative number per
-            head, or all zero; ``dropout`` outside [0, 1).
+        ConfigError: ``head_weights`` negative, infinite or all zero; at setup (before any step or
+            write), ``head_weights`` not one per head, a net that does not return a sequence of logits
+            tensors, or logits that ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
-    def __init__(
-        self,
-        optimizer: OptimizerFactory,
-        in_features: int = 64,
-        num_classes: int = 10,
-        width: int = 128,
-        depth: int = 3,
-        head_weights: list[float] | None = None,
-        dropout: float = 0.0,
-        batch_norm: bool = False,
-    ) -> None:
-        super().__init__(optimizer)
-        require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of blocks, and of heads)")
-        require(width >= 1, "width", width, "an integer ≥ 1")
-        require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
-        # A plain list, not Hydra's ListConfig: checkpoints must load with weights_only=True.
+    def __init__(self, net: Any, optimizer: Any = None, head_weights: list[float] | None = None) -> None:
+        super().__init__()
+        net, optimizer = plain(net), plain(optimizer)
+        # A plain list of floats, not Hydra's ListConfig: checkpoints must load with weights_only=True.
         head_weights = None if head_weights is None else [float(w) for w in head_weights]
-        weights = [1.0] * depth if head_weights is None else head_weights
         require(
-            len(weights) == depth,
+            head_weights is None or (all(0 <= w < math.inf for w in head_weights) and sum(head_weights) > 0),
             "head_weights",
             head_weights,
-            f"one weight per head: {depth} numbers (model.depth={depth})",
+            "null (equal weights) or non-negative finite numbers, one per head, not all zero",
+        )
+        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        self.net = build_module(net, "net")
+        self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
+        self.head_weights = head_weights
+        # One accuracy per head, made when the component check has seen how many heads and classes.
+        self.val_acc = nn.ModuleList()
+
+    def check_components(self, batch: dict[str, Any]) -> None:
+        require_keys(batch, ("x", "y"), "the net's input and the class of each example")
+        net = self.component_name("net")
+        given = describe_batch(batch)
+        outputs = call_component("model.net", net, self.net, batch["x"], given=given)
+        if not (isinstance(outputs, list | tuple) and outputs and all(isinstance(o, torch.Tensor) for o in outputs)):
+            raise ConfigError(
+                "model.net",
+                net,
+                "a network whose forward(x) returns a list or tuple of logits tensors, one per head, deepest last",
+                f"it returned {describe_output(outputs)}",
+            )
+        for i, logits in enumerate(outputs):
+            call_component(
+                "model.net",
+                net,
+                F.cross_entropy,
+                logits,
+                batch["y"],
+                given=f"head {i}: {describe_output(logits)}; {given}",
+            )
+        n = len(outputs)
+        require(
+            self.head_weights is None or len(self.head_weights) == n,
+            "model.head_weights",
+            self.head_weights,
+            f"one weight per head: {n} numbers (model.net has {n} heads), or null for equal weights",
             "wrong length",
         )
-        require(
-            all(w >= 0 for w in weights) and sum(weights) > 0,
-            "head_weights",
-            head_weights,
-            "non-negative numbers, not all zero",
-        )
-        # The optimizer factory stays out: checkpoints then load with torch.load(weights_only=True).
-        self.save_hyperparameters(ignore=["optimizer"], logger=False)
-        self.head_weights = weights
-
-        sizes = [in_features] + [width] * depth
-        self.blocks = nn.ModuleList(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes))
-        self.heads = nn.ModuleList(nn.Linear(width, num_classes) for _ in range(depth))
-        self.val_acc = nn.ModuleList(MulticlassAccuracy(num_classes, average="micro") for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Logits of every head, shallowest first (the last entry is the final classifier)."""
-        logits = []
-        for block, head in zip(self.blocks, self.heads):
-            x = block(x)
-            logits.append(head(x))
-        return logits
+        if len(self.val_acc) != n:
+            classes = [logits.shape[1] for logits in outputs]
+            self.val_acc = nn.ModuleList(MulticlassAccuracy(c, average="micro") for c in classes).to(self.device)
 
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each head's cross-entropy and their weighted sum ``total`` (the one tensor we backward)."""
-        per_head = {f"head{i}": F.cross_entropy(logits, batch["y"]) for i, logits in enumerate(self(batch["x"]))}
-        total = sum(w * loss for w, loss in zip(self.head_weights, per_head.values()))
+        per_head = {f"head{i}": F.cross_entropy(logits, batch["y"]) for i, logits in enumerate(self.net(batch["x"]))}
+        weights = self.head_weights or [1.0] * len(per_head)
+        total = sum(w * loss for w, loss in zip(weights, per_head.values()))
         return {**per_head, "total": total}
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        batch = self.named_batch(batch)
         losses = self.losses(batch)
         self.log_losses(losses, batch_size=len(batch["y"]))
         # Lightning calls backward on this once; autograd sums the heads' contributions in the trunk.
         return losses["total"]
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits = self(batch["x"])
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
+        logits = self.net(batch["x"])
         losses = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(logits)}
         self.log_losses(losses, prefix="val/loss/", batch_size=len(batch["y"]))
         for i, (out, acc) in enumerate(zip(logits, self.val_acc)):

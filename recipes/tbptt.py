@@ -1,9 +1,9 @@
 """Recipe `tbptt`: truncated backpropagation through time, with ``hidden.detach()`` between chunks.
 
-A character-level LSTM reads a long sequence in chunks and carries its hidden state ``(h, c)``
-from one chunk to the next, stepping the optimizer after each chunk. The seeds' LSTM pitfall: the
-carried state still points into the previous chunk's graph, which that chunk's backward has
-already freed, so the second chunk's backward raises
+A recurrent language model (the shipped one: a character LSTM) reads a long sequence in chunks and
+carries its hidden state (an LSTM's ``(h, c)``, a GRU's ``h``) from one chunk to the next, stepping
+the optimizer after each chunk. The seeds' LSTM pitfall: the carried state still points into the
+previous chunk's graph, which that chunk's backward has already freed, so the second chunk's backward raises
 
     RuntimeError: Trying to backward through the graph a second time, but the buffers have
     already been freed
@@ -24,39 +24,55 @@ Lightning removed its built-in TBPTT (``truncated_bptt_steps``) in 2.0, so the c
 ``training_step`` under manual optimization.
 
     python train.py recipe=tbptt
+    python train.py recipe=tbptt data=text data.path=my.txt                   # any file, as bytes
+    python train.py --config-dir my_configs recipe=tbptt net=my_gru data=text data.path=my.txt
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from multiloss.accumulation import ManualAccumulation
+from multiloss.batches import require_keys
+from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
-from multiloss.data.text import CharVocab
-from multiloss.module import OptimizerFactory, RecipeModule
+from multiloss.data.text import Vocabulary
+from multiloss.module import Recipe, call_component, describe_batch, describe_output
+from multiloss.nets import repackage_hidden
 
-Hidden = tuple[torch.Tensor, torch.Tensor]
 LN2 = math.log(2.0)
 
 
-class TruncatedBPTT(RecipeModule):
-    """Character LSTM on CPython's docs, truncated BPTT: one step per chunk, (h, c) detached between chunks.
+class TruncatedBPTT(Recipe):
+    """Language model, truncated BPTT: one optimizer step per chunk, the hidden state detached between chunks.
 
-    Each batch holds sequences of ``data.seq_len`` characters, split by *length* into chunks of
-    ``chunk_length`` (``torch.split``; the last chunk is shorter when the length does not divide
-    ``seq_len``; ``chunk_length ≥ seq_len`` is one chunk, i.e. full BPTT). Per chunk: forward from
-    the carried hidden state, ``manual_backward`` of the chunk's mean cross-entropy, gradient
-    clipping by norm (``gradient_clip_val``, ``self.clip_gradients``), optimizer step, then
-    ``(h, c)`` detached. The state starts at zero for every batch (the sequences of a batch are
-    shuffled windows, not continuations of the previous batch's).
+    Components:
+        net (group ``net``, default ``char_lstm``: `multiloss.nets.CharLSTM`):
+            ``forward(tokens, hidden)`` -> ``(logits, hidden)``, ``hidden=None`` at the start of a
+            sequence; ``hidden`` may be any nested structure of tensors (an LSTM's ``(h, c)``, a
+            GRU's tensor) and is detached tree-wise between chunks; the logits are
+            ``(batch, time, vocabulary size)``. When the net's config leaves out ``vocab_size`` and
+            its class takes one, the recipe passes the data's vocabulary size.
+        optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
+        data: batches with ``x`` (token ids ``(batch, seq_len)``) and ``y`` (the next tokens). The
+            vocabulary is the data module's ``vocab`` (`multiloss.data.text.Vocabulary`: UTF-8
+            bytes, a file's characters, or a number of opaque ids), or ``vocab`` here: null = the
+            data's (UTF-8 bytes when the data module has none), a string of characters, or a size.
+
+    Each batch's sequences are split by *length* into chunks of ``chunk_length`` tokens
+    (``torch.split``; the last chunk is shorter when the length does not divide ``seq_len``;
+    ``chunk_length ≥ seq_len`` is one chunk, i.e. full BPTT). Per chunk: forward from the carried
+    state, ``manual_backward`` of the chunk's mean cross-entropy, gradient clipping by norm
+    (``gradient_clip_val``, ``self.clip_gradients``), optimizer step, then the state detached
+    (`multiloss.nets.repackage_hidden`). The state starts empty for every batch (the sequences of a
+    batch are shuffled windows, not continuations of the previous batch's).
 
     ``trainer.max_steps`` counts optimizer steps, i.e. chunks (with ``accumulate_grad_batches=1``);
     Lightning checks it after each batch, so a run ends on a whole batch.
@@ -67,31 +83,35 @@ class TruncatedBPTT(RecipeModule):
     always steps (no gradient is carried into the next batch). ``k ≥`` the number of chunks gives
     one step per batch on the mean of its truncated chunk gradients.
 
-    Logs ``loss/ce`` (nats/char, mean over the batch's chunks) and ``train/bpc`` per step;
-    ``val/loss/ce`` and ``val/bpc`` (cross-entropy / ln 2) per epoch on the held-out slice, over full
-    sequences without chunking (the forward with a carried state gives the same outputs; chunking
-    changes only where backward stops). At each epoch end, rank zero writes
-    ``samples/epoch_NNN.txt``: ``sample_length`` characters continuing ``sample_prompt``, drawn with a
-    private ``torch.Generator`` seeded by ``sample_seed`` (so sampling never moves the global random
-    stream and exact resume holds), at ``sample_temperature`` (0 = greedy).
+    Logs ``loss/ce`` (nats/token, mean over the batch's chunks) and ``train/bpc`` per step;
+    ``val/loss/ce`` and ``val/bpc`` (cross-entropy / ln 2: bits per character, or per byte at the
+    byte level) per epoch on the held-out slice, over full sequences without chunking (the forward
+    with a carried state gives the same outputs; chunking changes only where backward stops). At
+    each epoch end, rank zero writes ``samples/epoch_NNN.txt``: ``sample_length`` tokens continuing
+    ``sample_prompt``, drawn with a private ``torch.Generator`` seeded by ``sample_seed`` (so sampling
+    never moves the global random stream and exact resume holds), at ``sample_temperature`` (0 = greedy).
 
     Raises:
-        ConfigError: ``chunk_length``, ``embedding_dim``, ``hidden_size``, ``num_layers``,
-            ``accumulate_grad_batches`` or ``sample_length`` < 1; ``gradient_clip_val`` ≤ 0;
-            ``sample_temperature`` < 0; a ``sample_prompt`` character outside the vocabulary;
-            ``trainer.gradient_clip_val`` / ``trainer.gradient_clip_algorithm`` set (use
+        ConfigError: ``chunk_length``, ``accumulate_grad_batches`` or ``sample_length`` < 1;
+            ``gradient_clip_val`` ≤ 0; ``sample_temperature`` < 0; a ``sample_prompt`` the vocabulary
+            cannot encode; ``trainer.gradient_clip_val`` / ``trainer.gradient_clip_algorithm`` set (use
             ``model.gradient_clip_val``) or ``trainer.accumulate_grad_batches`` > 1 (use
             ``model.accumulate_grad_batches``): Lightning cannot do either under manual
-            optimization; a checkpoint whose vocabulary differs from this Python's corpus.
+            optimization; at setup (before any step or write), a net that does not return
+            ``(logits, hidden)``, logits whose last dim is not the vocabulary size, or a state that
+            cannot be carried into the next chunk; a checkpoint made with another vocabulary.
     """
+
+    # The recipe passes the data's vocabulary size to a net config that leaves it out (the validator
+    # then does not ask for it).
+    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"net": ("vocab_size",)}
 
     def __init__(
         self,
-        optimizer: OptimizerFactory,
+        net: Any,
+        optimizer: Any = None,
+        vocab: str | int | None = None,
         chunk_length: int = 32,
-        embedding_dim: int = 48,
-        hidden_size: int = 192,
-        num_layers: int = 1,
         gradient_clip_val: float | None = 1.0,
         accumulate_grad_batches: int = 1,
         sample_prompt: str = "The ",
@@ -99,54 +119,94 @@ class TruncatedBPTT(RecipeModule):
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
     ) -> None:
-        super().__init__(optimizer)
-        require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (characters per chunk)")
-        for key, value in (("embedding_dim", embedding_dim), ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            require(value >= 1, key, value, "an integer ≥ 1")
+        super().__init__()
+        require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (tokens per chunk)")
         require(
             gradient_clip_val is None or gradient_clip_val > 0,
             "gradient_clip_val",
             gradient_clip_val,
             "a positive number (the maximal gradient norm per step), or null for no clipping",
         )
-        require(sample_length >= 1, "sample_length", sample_length, "an integer ≥ 1 (characters to generate)")
+        require(sample_length >= 1, "sample_length", sample_length, "an integer ≥ 1 (tokens to generate)")
         require(sample_temperature >= 0, "sample_temperature", sample_temperature, "a number ≥ 0 (0 = greedy)")
-        # Fixed vocabulary: the sorted characters of the whole corpus, whatever the split or seq_len.
-        self.vocab = CharVocab.pydoc()
-        unknown = sorted(set(sample_prompt) - set(self.vocab.chars))
         require(
-            len(sample_prompt) >= 1 and not unknown,
+            vocab is None or (isinstance(vocab, str) and len(vocab) > 0) or (isinstance(vocab, int) and vocab >= 1),
+            "vocab",
+            vocab,
+            "null (the data's vocabulary), a string of characters, or a number of token ids ≥ 1",
+        )
+        self.vocab = Vocabulary(vocab)
+        unknown = self.vocab.unknown(sample_prompt)
+        require(
+            len(sample_prompt.strip() if self.vocab.kind == "ids" else sample_prompt) >= 1 and not unknown,
             "sample_prompt",
             sample_prompt,
-            "a non-empty string of characters that occur in the corpus",
+            "a non-empty string the vocabulary encodes"
+            + (" (space-separated token ids)" if self.vocab.kind == "ids" else ""),
             f"not in the vocabulary: {unknown}" if unknown else "empty",
         )
-        self.save_hyperparameters(ignore=["optimizer"], logger=False)
+        net, optimizer = plain(net), plain(optimizer)
+        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
         # Lightning's TBPTT is gone since 2.0: the chunk loop, its backwards and steps are ours.
         self.automatic_optimization = False
         self.accumulation = ManualAccumulation(self, accumulate_grad_batches)
         self.chunk_length, self.gradient_clip_val = chunk_length, gradient_clip_val
-
-        self.embed = nn.Embedding(len(self.vocab), embedding_dim)
-        self.lstm = nn.LSTM(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True)
-        self.head = nn.Linear(hidden_size, len(self.vocab))
+        self.net = build_module(net, "net", vocab_size=len(self.vocab))
+        self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.val_bpc = MeanMetric()
 
-    def forward(self, x: torch.Tensor, hidden: Hidden | None = None) -> tuple[torch.Tensor, Hidden]:
-        """Next-character logits ``(batch, time, vocab)`` for ids ``x``, and the state after the last one."""
-        out, hidden = self.lstm(self.embed(x), hidden)
-        return self.head(out), hidden
+    @classmethod
+    def from_data(cls, datamodule: L.LightningDataModule) -> dict[str, Any]:
+        """The arguments this recipe takes from the data module: its vocabulary, when it has one."""
+        vocab = getattr(datamodule, "vocab", None)
+        if isinstance(vocab, Vocabulary):
+            return {"vocab": vocab.spec}
+        return {"vocab": vocab} if vocab is not None else {}
 
-    @staticmethod
-    def repackage_hidden(hidden: Hidden) -> Hidden:
-        """Keep the state's values, cut its graph: the next chunk's backward stops here.
-
-        Both ``h`` and ``c``: detaching only ``h`` would leave the cell state chained to the freed
-        graph (and the error would come back one chunk later).
-        """
-        return tuple(t.detach() for t in hidden)  # type: ignore[return-value]
+    def forward(self, tokens: torch.Tensor, hidden: Any = None) -> tuple[torch.Tensor, Any]:
+        """Next-token logits ``(batch, time, vocab)`` for ids ``tokens``, and the state after the last one."""
+        return self.net(tokens, hidden)
 
     # ------------------------------------------------------------------ checks
+
+    def check_components(self, batch: dict[str, Any]) -> None:
+        require_keys(batch, ("x", "y"), "token ids and the next tokens")
+        net, given = self.component_name("net"), describe_batch(batch)
+        x = batch["x"][:, : min(4, batch["x"].shape[1])]
+        out = call_component("model.net", net, self.net, x, None, given=f"tokens {describe_output(x)}, hidden None")
+        if not (isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+            raise ConfigError(
+                "model.net",
+                net,
+                "a network whose forward(tokens, hidden) returns (logits, hidden)",
+                f"for {given} it returned {describe_output(out)}",
+            )
+        logits, hidden = out
+        vocab = len(self.vocab)
+        if logits.shape != (*x.shape, vocab):
+            raise ConfigError(
+                "model.net",
+                net,
+                f"logits of shape (batch, time, vocabulary size) = {(*x.shape, vocab)}: the vocabulary is "
+                f"{self.vocab} (from the data, or model.vocab); a net config that leaves out vocab_size gets it",
+                f"for tokens {tuple(x.shape)} it returned logits {tuple(logits.shape)}",
+            )
+        too_big = int(batch["y"].max()) if batch["y"].numel() else -1
+        require(
+            too_big < vocab,
+            "data",
+            f"<token id {too_big}>",
+            f"token ids below the vocabulary size {vocab} ({self.vocab})",
+            "the data holds ids the net has no logits for",
+        )
+        call_component(
+            "model.net",
+            net,
+            self.net,
+            x,
+            repackage_hidden(hidden),
+            given=f"tokens {tuple(x.shape)} and the detached hidden state of the previous call",
+        )
 
     def check_trainer(self, trainer: L.Trainer) -> None:
         """Reject Trainer settings that manual optimization cannot honour, naming the model key to use.
@@ -180,26 +240,21 @@ class TruncatedBPTT(RecipeModule):
                 "Lightning cannot accumulate gradients under manual optimization",
             )
 
-    def configure_callbacks(self) -> list[L.Callback]:
-        # The earliest hook Lightning calls on the module in fit(): before its own configuration
-        # check (which would raise a bare MisconfigurationException) and before any training.
-        self.check_trainer(self.trainer)
-        return []
-
     # ---------------------------------------------------------------- training
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
         opt = self.optimizers()
-        # By length: chunks of chunk_length characters (tensor_split(x, k) would make k chunks).
+        # By length: chunks of chunk_length tokens (tensor_split(x, k) would make k chunks).
         xs = torch.split(batch["x"], self.chunk_length, dim=1)
         ys = torch.split(batch["y"], self.chunk_length, dim=1)
         chunks = list(zip(xs, ys))
-        hidden: Hidden | None = None
+        hidden = None
         nll_sum = batch["y"].new_zeros((), dtype=torch.float32)
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
             with self.accumulation.micro_batch(opt, i, last=last) as backward:
-                logits, hidden = self(x, hidden)
+                logits, hidden = self.net(x, hidden)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                 backward(loss)
                 if self.gradient_clip_val is not None and self.accumulation.steps_on(i, last):
@@ -212,37 +267,44 @@ class TruncatedBPTT(RecipeModule):
         self.log_losses({"ce": ce}, batch_size=len(batch["y"]))
         self.log("train/bpc", ce / LN2, on_step=True, on_epoch=False, batch_size=len(batch["y"]))
 
+    @staticmethod
+    def repackage_hidden(hidden: Any) -> Any:
+        """Keep the state's values, cut its graph: the seeds' ``hidden.detach()``, tree-wise (`multiloss.nets`)."""
+        return repackage_hidden(hidden)
+
     # -------------------------------------------------------------- validation
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
         # Whole sequences at once: without backward there is no graph to truncate.
-        logits, _ = self(batch["x"])
+        logits, _ = self.net(batch["x"], None)
         ce = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
-        n_chars = batch["y"].numel()
-        self.log_losses({"ce": ce}, prefix="val/loss/", batch_size=n_chars)
-        # Weighted by characters, reduced over ranks by torchmetrics: the exact mean over the slice.
-        self.val_bpc.update(ce / LN2, weight=n_chars)
+        n_tokens = batch["y"].numel()
+        self.log_losses({"ce": ce}, prefix="val/loss/", batch_size=n_tokens)
+        # Weighted by tokens, reduced over ranks by torchmetrics: the exact mean over the slice.
+        self.val_bpc.update(ce / LN2, weight=n_tokens)
         self.log("val/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
 
     # ------------------------------------------------------------------ sample
 
     @torch.no_grad()
     def generate(self, prompt: str, length: int, temperature: float, generator: torch.Generator) -> str:
-        """``prompt`` followed by ``length`` characters drawn from the model (``temperature`` 0 = greedy)."""
+        """``prompt`` followed by ``length`` tokens drawn from the model (``temperature`` 0 = greedy), as text."""
         was_training = self.training
         self.eval()
-        logits, hidden = self(self.vocab.encode(prompt).to(self.device)[None])
+        logits, hidden = self.net(self.vocab.encode(prompt).to(self.device)[None], None)
         ids: list[int] = []
         for _ in range(length):
-            last = logits[0, -1]
+            last = logits[0, -1].float()
             if temperature == 0:
                 nxt = last.argmax().view(1)
             else:
                 nxt = torch.multinomial(F.softmax(last / temperature, dim=-1), 1, generator=generator)
             ids.append(int(nxt))
-            logits, hidden = self(nxt.view(1, 1), hidden)
+            logits, hidden = self.net(nxt.view(1, 1), hidden)
         self.train(was_training)
-        return prompt + self.vocab.decode(ids)
+        sep = " " if self.vocab.kind == "ids" else ""
+        return prompt + sep + self.vocab.decode(ids)
 
     def on_train_epoch_end(self) -> None:
         if not self.trainer.is_global_zero:
@@ -263,14 +325,16 @@ class TruncatedBPTT(RecipeModule):
     # -------------------------------------------------------------- checkpoint
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["vocab"] = self.vocab.chars
+        checkpoint["vocab"] = self.vocab.spec
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get("vocab")
-        if saved is not None and saved != self.vocab.chars:
+        if "vocab" not in checkpoint:
+            return
+        saved = Vocabulary(checkpoint["vocab"])
+        if saved != self.vocab:
             raise ConfigError(
                 "ckpt_path",
-                f"<checkpoint with a {len(saved)}-character vocabulary>",
-                f"a checkpoint trained on this Python's pydoc_data corpus ({len(self.vocab)} characters)",
-                "its character vocabulary differs (made with another Python release?)",
+                f"<checkpoint trained with {saved}>",
+                f"a checkpoint trained with this run's vocabulary ({self.vocab}; data.path, data.level)",
+                "its vocabulary differs: its token ids mean other tokens",
             )

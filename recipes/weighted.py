@@ -21,27 +21,24 @@ and the trunk receives Σ wᵢ·∂lossᵢ/∂trunk in a single traversal, no re
 `tests/recipes/test_weighted.py` proves it equals the backward of Σ wᵢ·lossᵢ, reproduces the seed's
 dw = 9 through the same function, and shows a zero weight leaves its head with a zero gradient.
 
-    python train.py recipe=weighted                                # weights [1, 1, 30]
-    python train.py recipe=weighted model.loss_weights=[1,0,30]    # parity switched off
+    python train.py recipe=weighted                       # digit, parity, ink: weights 1, 1, 30
+    python train.py recipe=weighted model.tasks.parity.weight=0     # parity switched off
+    python train.py --config-dir my_configs recipe=weighted net=my_net tasks=my_tasks data=npz data.path=F
 """
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanAbsoluteError
-from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
-from multiloss.config import require
-from multiloss.module import OptimizerFactory, RecipeModule
-from multiloss.nets import dense_block
-
-TASKS = ("digit", "parity", "ink")
+from multiloss.batches import require_keys
+from multiloss.components import build_module, build_optimizer_factory, name_of, objects_given, plain
+from multiloss.config import ConfigError
+from multiloss.module import Recipe, call_component, describe_batch, describe_output
+from multiloss.tasks import build_tasks, loss_modules
 
 
 def weighted_backward(losses: torch.Tensor, weights: torch.Tensor, **kwargs: Any) -> None:
@@ -54,105 +51,119 @@ def weighted_backward(losses: torch.Tensor, weights: torch.Tensor, **kwargs: Any
     torch.autograd.backward(losses, grad_tensors=weights.to(losses.dtype), **kwargs)
 
 
-class WeightedMultiTask(RecipeModule):
-    """Multi-task digits: class, parity and ink-mass heads on one trunk, one backward weighted by loss_weights.
+class WeightedMultiTask(Recipe):
+    """Multi-task learning: one loss per task on one network, one backward weighted by each task's weight.
 
-    A trunk of ``depth`` dense blocks and three heads: ``digit`` (10-way cross-entropy), ``parity``
-    (odd/even, binary cross-entropy on one logit) and ``ink`` (the image's mean pixel intensity,
-    in [0, 1], mean squared error). ``training_step`` returns the vector of the three losses;
-    ``backward`` is `weighted_backward` with ``loss_weights``, one pass, no ``retain_graph``.
-    Logs ``loss/{digit,parity,ink}`` and ``loss/total`` (= Σ wᵢ·lossᵢ) per step, ``val/loss/<task>``
-    and ``val/acc/digit``, ``val/acc/parity``, ``val/mae/ink`` per validation (``val/acc`` is the digit
-    accuracy), and plots the three validation metrics over the steps to ``task_metrics.png`` in the run dir.
+    Components:
+        net (group ``net``, default ``multitask_mlp``: `multiloss.nets.MultiTaskMLP`, a trunk and one
+            head per task): ``forward(x)`` returns a dict task name -> output, one entry per task.
+        tasks (group ``tasks``, default ``digits``: the class (cross-entropy), odd/even (binary
+            cross-entropy on one logit) and ink mass (MSE) of a digit): task name -> ``{loss, target,
+            weight, metric}``, see `multiloss.tasks`. ``model.tasks.<name>.weight=…`` from the shell.
+        optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
+        data: batches with ``x`` (the net's input) and every task's ``target`` key (digits: ``y``,
+            ``parity``, ``ink``; an ``.npz``: each of its arrays).
 
-    Automatic optimization, so ``trainer.accumulate_grad_batches``, ``gradient_clip_val``, mixed
-    precision and DDP's skipped all-reduce all work as usual. No dropout or BatchNorm by default,
-    so a batch split over micro-batches or ranks gives the same gradient; both are options
-    (``model.dropout``, ``model.batch_norm``).
+    ``training_step`` returns the vector of task losses; ``backward`` is `weighted_backward` with
+    the task weights: one pass, no ``retain_graph``. Automatic optimization, so
+    ``trainer.accumulate_grad_batches``, ``gradient_clip_val``, mixed precision and DDP's skipped
+    all-reduce all work as usual. Logs ``loss/<task>`` and ``loss/total`` (= Σ wᵢ·lossᵢ) per step,
+    ``val/loss/<task>``, ``val/loss/total`` and, for a task with a metric,
+    ``val/<metric_name>/<task>`` per validation, and plots the validation metrics over the steps to
+    ``task_metrics.png`` in the run dir.
+
+    The shipped net has no dropout or BatchNorm by default, so a batch split over micro-batches or
+    ranks gives the same gradient; both are options (``model.net.dropout``, ``model.net.batch_norm``).
 
     Raises:
-        ConfigError: ``loss_weights`` not one number per task (3: digit, parity, ink), negative, or
-            all zero; ``depth`` or ``width`` < 1; ``num_classes`` < 2; ``dropout`` outside [0, 1).
+        ConfigError: a task without ``loss`` or ``target``, an unknown task key, a weight negative or
+            infinite, every weight 0, a metric that is not a torchmetrics Metric; at setup (before
+            any step or write): a net that does not return a dict with one output per task, a
+            task's ``target`` not in the batch, a loss that fails on its output and target or does not
+            return a scalar, a metric that fails on them.
     """
 
-    def __init__(
-        self,
-        optimizer: OptimizerFactory,
-        loss_weights: list[float] | None = None,
-        in_features: int = 64,
-        num_classes: int = 10,
-        width: int = 128,
-        depth: int = 2,
-        dropout: float = 0.0,
-        batch_norm: bool = False,
-    ) -> None:
-        super().__init__(optimizer)
-        # A plain list (Hydra passes a ListConfig): save_hyperparameters stores it in every
-        # checkpoint, which must load with torch.load(weights_only=True).
-        loss_weights = [1.0] * len(TASKS) if loss_weights is None else [float(w) for w in loss_weights]
-        require(
-            len(loss_weights) == len(TASKS),
-            "loss_weights",
-            loss_weights,
-            f"one weight per task: {len(TASKS)} numbers, for {', '.join(TASKS)}",
-            "wrong length",
-        )
-        require(
-            all(w >= 0 for w in loss_weights) and sum(loss_weights) > 0,
-            "loss_weights",
-            loss_weights,
-            "non-negative numbers, not all zero (0 switches a task off)",
-        )
-        require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of dense blocks in the trunk)")
-        require(width >= 1, "width", width, "an integer ≥ 1")
-        require(num_classes >= 2, "num_classes", num_classes, "an integer ≥ 2")
-        require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
-        # The optimizer factory stays out: checkpoints then load with torch.load(weights_only=True).
-        self.save_hyperparameters(ignore=["optimizer"], logger=False)
-        self.loss_weights = loss_weights
+    def __init__(self, net: Any, tasks: Any, optimizer: Any = None) -> None:
+        super().__init__()
+        net, tasks, optimizer = plain(net), plain(tasks), plain(optimizer)
+        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        self.tasks = build_tasks(tasks)
+        self.net = build_module(net, "net")
+        self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         # A buffer, so the weights follow the module to its device (and its dtype under
         # precision="bf16-true"); not persistent: they come from the config, not the checkpoint.
-        self.register_buffer("task_weights", torch.tensor(loss_weights), persistent=False)
-
-        sizes = [in_features] + [width] * depth
-        self.trunk = nn.Sequential(*(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)))
-        self.heads = nn.ModuleDict(
-            {"digit": nn.Linear(width, num_classes), "parity": nn.Linear(width, 1), "ink": nn.Linear(width, 1)}
-        )
-        self.val_digit_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_parity_acc = BinaryAccuracy()
-        self.val_ink_mae = MeanAbsoluteError()
-        # (step, metrics) after each validation, for task_metrics.png; kept in the checkpoint so a
+        self.register_buffer("task_weights", torch.tensor([t.weight for t in self.tasks.values()]), persistent=False)
+        self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})
+        self.loss_modules = loss_modules(self.tasks)  # losses with state (pos_weight, ...) follow the device
+        # Validation metrics after each validation, for task_metrics.png; kept in the checkpoint so a
         # resumed run's plot continues the curves.
         self.history: list[dict[str, float]] = []
 
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each task's raw output: digit logits (B, C), parity logit (B,), ink mass (B,)."""
-        h = self.trunk(x)
-        return {
-            "digit": self.heads["digit"](h),
-            "parity": self.heads["parity"](h).squeeze(-1),
-            "ink": self.heads["ink"](h).squeeze(-1),
-        }
+    # --- the contract ----------------------------------------------------------------------------
 
-    @staticmethod
-    def targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The three tasks' targets, all derived from the digits batch: class, odd (1) / even (0), mean ink."""
-        return {"digit": batch["y"], "parity": (batch["y"] % 2).float(), "ink": batch["x"].mean(dim=1)}
+    def check_components(self, batch: dict[str, Any]) -> None:
+        require_keys(batch, ("x",), "the net's input")
+        net, given = self.component_name("net"), describe_batch(batch)
+        outputs = call_component("model.net", net, self.net, batch["x"], given=given)
+        names = list(self.tasks)
+        if not isinstance(outputs, dict):
+            raise ConfigError(
+                "model.net",
+                net,
+                f"a network whose forward(x) returns a dict task name -> output, for the tasks {names}",
+                f"it returned {describe_output(outputs)}",
+            )
+        missing, extra = [n for n in names if n not in outputs], [n for n in outputs if n not in self.tasks]
+        if missing or extra:
+            raise ConfigError(
+                "model.net" if missing else "model.tasks",
+                net if missing else names,
+                f"one output per task, named as the tasks: {names} (model.tasks) == the keys of the net's dict",
+                f"the net returns {sorted(map(str, outputs))}"
+                + (f"; no output for {missing}" if missing else "")
+                + (f"; no task for {extra}" if extra else ""),
+            )
+        for name, task in self.tasks.items():
+            key = f"model.tasks.{name}"
+            if task.target not in batch:
+                raise ConfigError(
+                    f"{key}.target", task.target, f"one of the batch's keys: {sorted(batch)}", "not in the batch"
+                )
+            pair = f"output {describe_output(outputs[name])}, target {describe_output(batch[task.target])}"
+            spec = self.hparams.tasks[name]
+            loss = call_component(
+                f"{key}.loss", name_of(spec["loss"]), task.loss, outputs[name], batch[task.target], given=pair
+            )
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+                raise ConfigError(
+                    f"{key}.loss",
+                    name_of(spec["loss"]),
+                    "a loss that returns the batch's mean as a floating-point scalar",
+                    f"on {pair} it returned {describe_output(loss)} (reduction='none'?)",
+                )
+            if task.metric is not None:
+                metric_input = self._metric_input(task, outputs[name])
+                probe = task.metric.clone()  # a copy: the probe's update must not count in the first validation
+                call_component(
+                    f"{key}.metric", name_of(spec["metric"]), probe.update, metric_input, batch[task.target], given=pair
+                )
 
-    def losses(self, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each task's mean loss over the batch, in TASKS order (mean, so batches and ranks average exactly)."""
-        return {
-            "digit": F.cross_entropy(outputs["digit"], targets["digit"]),
-            "parity": F.binary_cross_entropy_with_logits(outputs["parity"], targets["parity"]),
-            "ink": F.mse_loss(outputs["ink"], targets["ink"]),
-        }
+    # --- training ----------------------------------------------------------------------------------
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        per_task = self.losses(self(batch["x"]), self.targets(batch))
-        losses = torch.stack([per_task[name] for name in TASKS])
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.net(x)
+
+    def task_losses_of(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The net's outputs and each task's mean loss over the batch (mean, so batches and ranks average exactly)."""
+        outputs = self.net(batch["x"])
+        return outputs, {name: t.loss(outputs[name], batch[t.target]) for name, t in self.tasks.items()}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        batch = self.named_batch(batch)
+        _, per_task = self.task_losses_of(batch)
+        losses = torch.stack(list(per_task.values()))
         total = (self.task_weights * losses.detach()).sum()
-        self.log_losses({**per_task, "total": total}, batch_size=len(batch["y"]))
+        self.log_losses({**per_task, "total": total}, batch_size=len(batch["x"]))
         # The vector of task losses, not a scalar: Lightning divides it by accumulate_grad_batches
         # (and AMP scales it) element-wise, then hands it to `backward` below.
         return losses
@@ -166,33 +177,32 @@ class WeightedMultiTask(RecipeModule):
         # gradient_clip_val at fit time. Only the backward call itself changes: one weighted pass.
         weighted_backward(loss, self.task_weights, **kwargs)
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        outputs, targets = self(batch["x"]), self.targets(batch)
-        per_task = self.losses(outputs, targets)
-        total = sum(w * per_task[name] for w, name in zip(self.loss_weights, TASKS))
-        self.log_losses({**per_task, "total": total}, prefix="val/loss/", batch_size=len(batch["y"]))
-        self.val_digit_acc(outputs["digit"], targets["digit"])
-        # Probabilities, not logits: BinaryAccuracy would take a batch of logits that happen to lie
-        # in [0, 1] for probabilities.
-        self.val_parity_acc(torch.sigmoid(outputs["parity"]), targets["parity"].long())
-        self.val_ink_mae(outputs["ink"], targets["ink"])
-        self.log("val/acc/digit", self.val_digit_acc, on_epoch=True)
-        self.log("val/acc/parity", self.val_parity_acc, on_epoch=True)
-        self.log("val/mae/ink", self.val_ink_mae, on_epoch=True)
-        self.log("val/acc", self.val_digit_acc, on_epoch=True, prog_bar=True)
+    # --- validation --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _metric_input(task, output: torch.Tensor) -> torch.Tensor:
+        return task.activation(output) if task.activation is not None else output
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        batch = self.named_batch(batch)
+        outputs, per_task = self.task_losses_of(batch)
+        total = sum(t.weight * per_task[name] for name, t in self.tasks.items())
+        self.log_losses({**per_task, "total": total}, prefix="val/loss/", batch_size=len(batch["x"]))
+        for name, metric in self.task_metrics.items():
+            task = self.tasks[name]
+            metric(self._metric_input(task, outputs[name]), batch[task.target])
+            self.log(f"val/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
+        if self.trainer.sanity_checking or not self.task_metrics:
             return
         # compute() syncs over ranks (every rank calls it) and caches the value Lightning then logs.
-        self.history.append(
-            {
-                "step": float(self.global_step),
-                "digit accuracy": self.val_digit_acc.compute().item(),
-                "parity accuracy": self.val_parity_acc.compute().item(),
-                "ink-mass MAE": self.val_ink_mae.compute().item(),
-            }
-        )
+        entry = {"step": float(self.global_step)}
+        for name, metric in self.task_metrics.items():
+            entry[f"{name} {self.tasks[name].metric_name}"] = metric.compute().item()
+        self.history.append(entry)
+
+    # --- artifacts ---------------------------------------------------------------------------------
 
     def on_train_epoch_end(self) -> None:
         self._write_plot()
@@ -213,15 +223,15 @@ class WeightedMultiTask(RecipeModule):
 
         steps = [h["step"] for h in self.history]
         names = [k for k in self.history[0] if k != "step"]
-        fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4))
-        for ax, name in zip(axes, names):
-            values = [h[name] for h in self.history]
+        fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            values = [h.get(name, float("nan")) for h in self.history]
             ax.plot(steps, values, marker="o", markersize=3)
             ax.set_title(f"{name}: {values[-1]:.4g}")
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-        weights = ", ".join(f"{n}={w:g}" for n, w in zip(TASKS, self.loss_weights))
-        fig.suptitle(f"validation per task (loss_weights: {weights})")
+        weights = ", ".join(f"{n}={t.weight:g}" for n, t in self.tasks.items())
+        fig.suptitle(f"validation per task (weights: {weights})")
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)

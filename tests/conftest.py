@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-import multiloss  # noqa: F401  (registers the schema and the --help resolver)
+from multiloss import testing
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -28,6 +26,8 @@ ONE_CPU_NO_VAL = (
 )
 # ... and no loggers or callbacks either (nothing written but what a test asks for).
 BARE = (*ONE_CPU_NO_VAL, "logger=none", "callbacks=none")
+# The GAN's two shipped MLPs at width 32: quick, still learning.
+SMALL_GAN = ("model.generator.width=32", "model.discriminator.width=32")
 QUIET = (
     "print_config=false",
     "~callbacks.progress_bar",
@@ -38,15 +38,7 @@ QUIET = (
 
 def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
     """The composed config of ``python train.py <overrides> hydra.run.dir=<output_dir>``."""
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(output_dir)
-        cfg.hydra.job.num = 0
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg.hydra
-    return cfg
+    return testing.compose(*overrides, output_dir=output_dir)
 
 
 def _replaces_group(group: str, overrides: tuple[str, ...]) -> bool:

@@ -13,14 +13,15 @@ import lightning as L
 import pytest
 from hydra.utils import instantiate
 
-from tests.conftest import BARE
-from tests.helpers import GradCapture, assert_grads_close
+from multiloss import testing
+from multiloss.testing import GradientCapture, assert_gradients_close
+from tests.conftest import BARE, SMALL_GAN
 
 G_INDEX, D_INDEX = 0, 1
 BASE = (
     "recipe=gan",
     *BARE,
-    "model.width=32",
+    *SMALL_GAN,
     "model.n_plot_samples=0",
     "model.n_critic=1",
     "optimizer@model.g_optimizer=sgd",
@@ -30,13 +31,13 @@ BASE = (
 )
 
 
-def _run(make_cfg, *overrides: str) -> tuple[GradCapture, dict]:
+def _run(make_cfg, *overrides: str) -> tuple[GradientCapture, dict]:
     cfg = make_cfg(*BASE, *overrides)
     L.seed_everything(cfg.seed)
-    model = instantiate(cfg.model)
-    capture = GradCapture()
+    datamodule, model = testing.build(cfg)
+    capture = GradientCapture()
     trainer = instantiate(cfg.trainer, callbacks=[capture], logger=False, enable_checkpointing=False)
-    trainer.fit(model, datamodule=instantiate(cfg.data))
+    trainer.fit(model, datamodule=datamodule)
     return capture, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -60,10 +61,10 @@ def test_k_micro_batches_of_b_equal_one_batch_of_kb(make_cfg, loss):
     # The discriminator's update (and the generator's) from k×b equals the one from k·b, step by step.
     for accumulated, single in zip(micro.steps, whole.steps):
         assert accumulated.keys() == single.keys()
-        assert_grads_close(accumulated, single, atol=1e-6, rtol=1e-5)
+        assert_gradients_close(accumulated, single, atol=1e-6, rtol=1e-5)
     # Not vacuous: the gradients are not zero, and the weights after three steps of each agree.
     assert sum(g.abs().sum() for g in micro.steps[0].values()) > 0
-    assert_grads_close(micro_weights, whole_weights, atol=1e-6)
+    assert_gradients_close(micro_weights, whole_weights, atol=1e-6)
 
 
 def test_accumulated_steps_follow_the_micro_batch_count_and_the_epoch_end(make_cfg):

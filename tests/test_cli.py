@@ -43,7 +43,7 @@ def test_help_lists_every_recipe_with_its_description():
     assert proc.returncode == 0, proc.stderr
     for name in RECIPES:
         assert f"recipe={name}" in proc.stdout
-    assert "Deep supervision on digits" in proc.stdout  # multihead's docstring, first line
+    assert "Deep supervision: several classification heads" in proc.stdout  # multihead's docstring, first line
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -58,7 +58,7 @@ BAD_INPUTS = [
     ("seed=abc", ["seed", "abc"]),  # wrong type, caught by the structured schema
     ("data.batch_size=abc", ["data.batch_size", "abc", "int"]),  # wrong type, by the signature
     ("data.batch_size=0", ["data.batch_size=0", "≥ 1"]),  # impossible value
-    ("+model.bogus=1", ["model.bogus", "unknown key", "width"]),  # unknown key, with what is accepted
+    ("+model.bogus=1", ["model.bogus", "unknown key", "head_weights"]),  # unknown key, with what is accepted
     ("+trainer.max_stepz=10", ["trainer.max_stepz", "did you mean max_steps"]),
     ("model.head_weights=[1,2]", ["model.head_weights", "[1.0, 2.0]", "3 numbers"]),  # mismatched length
     ("recipe=nope", ["recipe/nope", "multihead"]),  # unknown recipe, with the available ones

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hydra.utils import instantiate
 
+from multiloss import testing
 from multiloss.config import ConfigError, check_config
-from tests.conftest import CONFIG_DIR
+from tests.conftest import CONFIG_DIR, ROOT
 
 # Groups whose options are selected on the command line as `group=option`.
 GROUP_FILES = sorted(
@@ -19,6 +20,16 @@ GROUP_FILES = sorted(
 )
 # Options that need something this machine lacks, and the error that says so.
 NEEDS_GPU = {"trainer/gpu.yaml", "trainer/ddp.yaml"}
+# Component options, composed with the recipe whose contract they meet.
+RECIPE_OF = {
+    "net/deep_mlp.yaml": "multihead",
+    "net/multitask_mlp.yaml": "weighted",
+    "tasks/digits.yaml": "weighted",
+    "net/mlp.yaml": "accumulation",
+    "net/char_lstm.yaml": "tbptt",
+    "generator/mlp.yaml": "gan",
+    "discriminator/mlp.yaml": "gan",
+}
 
 
 def _override(path: Path) -> str:
@@ -35,8 +46,7 @@ def npz_file(tmp_path):
 
 def instantiate_all(cfg) -> None:
     check_config(cfg)
-    instantiate(cfg.data)
-    instantiate(cfg.model)
+    testing.build(cfg)
     callbacks = [instantiate(v) for v in (cfg.callbacks or {}).values() if v]
     loggers = [instantiate(v) for v in (cfg.logger or {}).values() if v]
     instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -45,8 +55,9 @@ def instantiate_all(cfg) -> None:
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
     rel = str(path.relative_to(CONFIG_DIR))
-    extra = [f"data.path={npz_file}"] if rel == "data/npz.yaml" else []
-    cfg = make_cfg(_override(path), *extra, quiet=False)
+    extra = {"data/npz.yaml": [f"data.path={npz_file}"], "data/text.yaml": [f"data.path={ROOT / 'README.md'}"]}
+    recipe = [f"recipe={RECIPE_OF[rel]}"] if rel in RECIPE_OF else []
+    cfg = make_cfg(*recipe, _override(path), *extra.get(rel, []), quiet=False)
     if rel in NEEDS_GPU:
         with pytest.raises(ConfigError, match=r"trainer\.accelerator"):
             check_config(cfg)
@@ -57,5 +68,6 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
 def test_the_default_composes_to_the_multihead_recipe(make_cfg):
     cfg = make_cfg(quiet=False)
     assert cfg.model._target_ == "recipes.multihead.MultiHead"
+    assert cfg.model.net._target_ == "multiloss.nets.DeepSupervisionMLP"
     assert cfg.model.optimizer._partial_ is True
     assert cfg.trainer.use_distributed_sampler is False

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from multiloss.batches import as_dict
 from multiloss.config import ConfigError
-from multiloss.data import DigitsDataModule, NpzDataModule
+from multiloss.data import DigitsDataModule, NpzDataModule, TextDataModule
 
 
 def _order(loader) -> list[int]:
@@ -30,6 +31,9 @@ def test_digits_split_is_fixed_and_disjoint():
     batch = next(iter(a.train_dataloader()))
     assert batch["x"].shape == (64, 64) and batch["y"].dtype == torch.long
     assert batch["x"].min() >= 0.0 and batch["x"].max() <= 1.0
+    # The targets derived for multi-task models: odd/even and the mean ink of each image.
+    assert torch.equal(batch["parity"], (batch["y"] % 2).float())
+    assert torch.allclose(batch["ink"], batch["x"].mean(dim=1))
 
 
 def test_training_order_is_a_function_of_seed_and_epoch():
@@ -68,19 +72,56 @@ def test_loader_resumes_mid_epoch_on_the_next_batch():
     assert torch.equal(next(iter(fresh))["x"], expected["x"])
 
 
-def test_npz_arrays(tmp_path):
-    path = tmp_path / "mine.npz"
-    x = np.random.default_rng(0).random((40, 4, 4)).astype(np.float32)
-    np.savez(path, features=x, labels=np.arange(40) % 3)
-    dm = NpzDataModule(str(path), x_key="features", y_key="labels", batch_size=8, val_fraction=0.25)
+def test_npz_serves_every_array_under_its_own_name_with_its_dtype(tmp_path):
+    path = tmp_path / "shapes.npz"
+    rng = np.random.default_rng(0)
+    np.savez(
+        path,
+        x=rng.random((40, 1, 4, 4)),  # float64 images: float32, shape kept
+        shape=np.arange(40) % 3,  # int: int64
+        big=np.arange(40) % 2 == 0,  # bool: float32 0/1 (a BCE target)
+        area=rng.random(40).astype(np.float16),
+    )
+    dm = NpzDataModule(str(path), batch_size=8, val_fraction=0.25)
     dm.setup("fit")
     assert (len(dm.train_set), len(dm.val_set)) == (30, 10)
-    assert next(iter(dm.train_dataloader()))["x"].shape == (8, 16)
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"x", "shape", "big", "area"}
+    assert batch["x"].shape == (8, 1, 4, 4) and batch["x"].dtype == torch.float32
+    assert batch["shape"].dtype == torch.int64 and batch["area"].dtype == torch.float32
+    assert batch["big"].dtype == torch.float32 and set(batch["big"].tolist()) <= {0.0, 1.0}
+
+    # Options: a subset, renamed, flattened, another dtype.
+    dm = NpzDataModule(
+        str(path), keys=["x", "shape"], rename={"shape": "y"}, flatten=["x"], dtypes={"x": "float64"}, batch_size=8
+    )
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"x", "y"} and batch["x"].shape == (8, 16) and batch["x"].dtype == torch.float64
+
+
+def test_npz_with_only_x_and_npy_files(tmp_path):
+    np.savez(tmp_path / "points.npz", x=np.zeros((10, 2), dtype=np.float32))
+    dm = NpzDataModule(str(tmp_path / "points.npz"), batch_size=4)
+    dm.setup("fit")
+    assert set(next(iter(dm.train_dataloader()))) == {"x"}
+    np.save(tmp_path / "x.npy", np.ones((6, 3)))
+    np.save(tmp_path / "y.npy", np.arange(6))
+    dm = NpzDataModule(str(tmp_path / "x.npy"), y_path=str(tmp_path / "y.npy"), batch_size=2)
+    dm.setup("fit")
+    assert set(next(iter(dm.train_dataloader()))) == {"x", "y"}
 
 
 @pytest.mark.parametrize(
     ("kwargs", "key"),
-    [({"path": "/no/such.npz"}, "path"), ({"x_key": "nope"}, "x_key"), ({"batch_size": 0}, "batch_size")],
+    [
+        ({"path": "/no/such.npz"}, "path"),
+        ({"keys": ["nope"]}, "keys"),
+        ({"rename": {"nope": "x"}}, "rename.nope"),
+        ({"flatten": ["nope"]}, "flatten"),
+        ({"dtypes": {"x": "float99"}}, "dtypes.x"),
+        ({"batch_size": 0}, "batch_size"),
+    ],
 )
 def test_npz_rejects_bad_settings_by_name(tmp_path, kwargs, key):
     path = tmp_path / "mine.npz"
@@ -90,8 +131,59 @@ def test_npz_rejects_bad_settings_by_name(tmp_path, kwargs, key):
     assert err.value.key == key
 
 
-def test_npz_rejects_mismatched_lengths(tmp_path):
+@pytest.mark.parametrize(
+    ("arrays", "said"),
+    [
+        ({"x": np.zeros((4, 2)), "y": np.zeros(5)}, "lengths differ"),
+        ({"x": np.zeros((0, 2))}, "empty"),
+        ({"x": np.zeros((4, 2)), "name": np.array(["a", "b", "c", "d"])}, "not a numeric array"),
+        ({"x": np.array([{"a": 1}] * 4, dtype=object)}, "cannot read it"),  # a pickle: never loaded
+    ],
+)
+def test_npz_rejects_bad_files(tmp_path, arrays, said):
     path = tmp_path / "bad.npz"
-    np.savez(path, x=np.zeros((4, 2)), y=np.zeros(5))
-    with pytest.raises(ConfigError, match="same length"):
+    np.savez(path, **arrays)
+    with pytest.raises(ConfigError, match=said) as err:
         NpzDataModule(str(path))
+    assert err.value.key == "path"
+    (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
+    with pytest.raises(ConfigError, match="cannot read it"):
+        NpzDataModule(str(tmp_path / "junk.npz"))
+
+
+def test_text_file_as_bytes_or_characters(tmp_path):
+    path = tmp_path / "poem.txt"
+    text = "Ünïcode lines, again and again.\n" * 40
+    path.write_text(text, encoding="utf-8")
+    as_bytes = TextDataModule(str(path), seq_len=16, batch_size=4)
+    assert len(as_bytes.vocab) == 256 and as_bytes.vocab.kind == "bytes"
+    as_chars = TextDataModule(str(path), level="chars", seq_len=16, batch_size=4)
+    assert as_chars.vocab.spec == "".join(sorted(set(text)))
+    for dm in (as_bytes, as_chars):
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))
+        assert batch["x"].shape == batch["y"].shape == (4, 16)
+        assert torch.equal(batch["x"][:, 1:], batch["y"][:, :-1])
+        assert dm.vocab.decode(dm.train_ids[:12]) in text
+    assert as_chars.vocab.decode(as_chars.vocab.encode("again")) == "again"
+    assert as_bytes.vocab.decode(as_bytes.vocab.encode("Ünï")) == "Ünï"  # multi-byte characters round-trip
+
+
+def test_text_rejects_missing_and_non_utf8_files(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        TextDataModule(str(tmp_path / "none.txt"))
+    assert err.value.key == "path"
+    (tmp_path / "latin1.txt").write_bytes("café crème ".encode("latin-1") * 100)
+    with pytest.raises(ConfigError, match="not UTF-8") as err:
+        TextDataModule(str(tmp_path / "latin1.txt"), level="chars")
+    assert err.value.key == "path"
+    assert len(TextDataModule(str(tmp_path / "latin1.txt"), seq_len=8).vocab) == 256  # as bytes: any file
+
+
+def test_batches_may_be_dicts_tuples_or_tensors():
+    x, y = torch.zeros(2, 3), torch.ones(2)
+    assert as_dict({"x": x})["x"] is x
+    assert set(as_dict((x, y))) == {"x", "y"} and as_dict([x, y])["y"] is y
+    assert set(as_dict((x,))) == {"x"} and as_dict(x)["x"] is x
+    with pytest.raises(ConfigError, match="cannot tell which item is which"):
+        as_dict((x, y, y))

@@ -19,8 +19,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from multiloss.testing import assert_gradients_close
 from tests.conftest import CONFIG_DIR, QUIET, ROOT, load_weights, run_cli
-from tests.helpers import assert_grads_close
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -59,7 +59,7 @@ def _counts(out: Path) -> list[dict[str, int]]:
 def _assert_same_weights(a: Path, b: Path, atol: float = 1e-6) -> float:
     wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
     assert wa.keys() == wb.keys()
-    worst = assert_grads_close(wa, wb, atol=atol, rtol=0)  # name -> tensor maps, weights as well as grads
+    worst = assert_gradients_close(wa, wb, atol=atol, rtol=0)  # name -> tensor maps, weights as well as grads
     print(f"2 ranks × b vs 1 rank × 2b: largest weight difference {worst:.2g}")  # for the record (pytest -s)
     return worst
 

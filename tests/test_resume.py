@@ -15,8 +15,8 @@ from tests.helpers import straight_and_resumed
 
 SMALL = (
     "recipe=multihead",
-    "model.width=32",
-    "model.dropout=0.2",
+    "model.net.width=32",
+    "model.net.dropout=0.2",
     "data.batch_size=128",
     "trainer.accelerator=cpu",
     "trainer.devices=1",

@@ -1,33 +1,104 @@
-"""What every recipe's LightningModule shares: its optimizer from the config, and loss logging."""
+"""What every recipe's LightningModule shares: batches as dicts, components checked before the first step, logging.
+
+A recipe is a training loop over components chosen by config (`multiloss.components`). It cannot
+know a user's network before seeing it run, so each recipe states its components' contract in
+``check_components(batch)``: called once on a tiny batch (two examples, no gradient, eval mode, the
+random streams restored afterwards) at ``setup``, before any training or validation step and before
+`multiloss.train` writes anything into the run dir; or, when no batch can be had that early, on the
+first batch that arrives (`Recipe.named_batch`). A component that breaks the contract is a `ConfigError` naming its key.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import lightning as L
 import torch
 from torch.optim import Optimizer
 
+from multiloss.batches import as_dict, probe_batch, take
+from multiloss.components import OptimizerFactory, name_of
+from multiloss.config import ConfigError
 from multiloss.metrics import EpochMeans
 
-OptimizerFactory = Callable[..., Optimizer]
 
+class Recipe(L.LightningModule):
+    """Base of the recipes: dict batches, the component check, ``check_trainer``, loss logging, one optimizer.
 
-class RecipeModule(L.LightningModule):
-    """Base of the single-optimizer recipes: ``optimizer`` is a Hydra ``_partial_`` (``model.optimizer``)."""
+    Subclasses build their components in ``__init__``, implement `check_components` and, where
+    Lightning cannot honour a Trainer setting for them, `check_trainer`. Single-optimizer recipes
+    set ``self.optimizer_factory``; the GAN overrides ``configure_optimizers``.
+    """
 
-    def __init__(self, optimizer: OptimizerFactory) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.optimizer_factory = optimizer
+        self.optimizer_factory: OptimizerFactory | None = None
         self.epoch_means = EpochMeans()  # validation losses, filled by log_losses
+        self._components_checked = False
+
+    # --- contracts ---------------------------------------------------------------------------
+
+    def check_components(self, batch: dict[str, Any]) -> None:
+        """Raise `ConfigError` (key ``model.<component>``) if a component cannot serve this recipe on ``batch``."""
 
     def check_trainer(self, trainer: L.Trainer) -> None:
         """Reject Trainer settings this recipe cannot honour (raise `ConfigError` with ``trainer.*`` keys).
 
-        `multiloss.train` calls it after building the Trainer and before writing anything.
+        `multiloss.train` calls it after building the Trainer and before writing anything; it runs
+        again as the first hook of ``fit`` for a Trainer built by hand.
         """
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        # The earliest hook Lightning calls on the module in fit(): before its own configuration checks
+        # (bare MisconfigurationExceptions) and before any training.
+        self.check_trainer(self.trainer)
+        return []
+
+    def setup(self, stage: str) -> None:
+        if not self._components_checked and (batch := probe_batch(self.trainer)) is not None:
+            self.run_component_check(batch)
+
+    def named_batch(self, batch: Any) -> dict[str, Any]:
+        """``batch`` as a dict (`multiloss.batches.as_dict`), checked against the components if that has not happened.
+
+        Each recipe's steps start with it. (Not ``on_after_batch_transfer``: a data module that
+        overrides that hook replaces the module's.)
+        """
+        batch = as_dict(batch)
+        if not self._components_checked:
+            self.run_component_check(batch)
+        return batch
+
+    def run_component_check(self, batch: Any) -> None:
+        """`check_components` on two examples of ``batch``; weights, BatchNorm statistics and RNGs stay as they were."""
+        batch = take(as_dict(batch), 2)
+        if self._trainer is not None:  # bf16-true / 16-true: the inputs the steps will see
+            batch = self.trainer.precision_plugin.convert_input(batch)
+        was_training = self.training
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            self.eval()
+            try:
+                self.check_components(batch)
+            finally:
+                self.train(was_training)
+        self._components_checked = True
+
+    def component_name(self, key: str) -> str:
+        """The ``_target_`` of component ``key`` (or the class of one given as an object), for messages."""
+        return name_of(self.hparams.get(key, getattr(self, key, key)))
+
+    # --- optimization and logging ------------------------------------------------------------------
+
     def configure_optimizers(self) -> Optimizer:
+        if self.optimizer_factory is None:
+            raise ConfigError(
+                "model.optimizer",
+                None,
+                "an optimizer config (optimizer=adam|adamw|sgd), or a callable params -> Optimizer",
+                "this module was built without one (fine for inference, not for training)",
+            )
         return self.optimizer_factory(self.parameters())
 
     def log_losses(self, losses: Mapping[str, torch.Tensor], prefix: str = "loss/", batch_size: int | None = None):
@@ -46,3 +117,40 @@ class RecipeModule(L.LightningModule):
             on_epoch=False,
             batch_size=batch_size,
         )
+
+
+def describe_batch(batch: Mapping[str, Any]) -> str:
+    """``x: float32 (2, 64), y: int64 (2,)``: what a component was given, for error messages."""
+    parts = []
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{key}: {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}")
+        else:
+            parts.append(f"{key}: {type(value).__name__}")
+    return ", ".join(parts)
+
+
+def describe_output(value: Any) -> str:
+    """A short reading of what a network returned: ``tensor float32 (2, 10)``, ``list of 3 tensors``, ..."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return "a dict {" + ", ".join(f"{k!r}: {describe_output(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return f"a {type(value).__name__} of {len(value)}: [" + ", ".join(describe_output(v) for v in value) + "]"
+    return f"a {type(value).__name__}"
+
+
+def call_component(key: str, target: str, fn: Any, *args: Any, given: str = "") -> Any:
+    """``fn(*args)``, with any exception turned into a `ConfigError` under ``key`` saying what it was given."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            key,
+            target,
+            f"a component that runs on the data ({given})" if given else "a component that runs",
+            f"it failed: {type(err).__name__}: {err}",
+        ) from None

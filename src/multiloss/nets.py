@@ -1,19 +1,33 @@
-"""Small building blocks the recipes share."""
+"""The networks multiloss ships: the default options of the ``net``, ``generator`` and ``discriminator`` groups.
+
+Each is an ordinary ``nn.Module`` whose constructor takes plain numbers, so a config names it with
+``_target_`` and its arguments, and a checkpoint stores that config instead of the module. A user's
+own network takes the same place by meeting the recipe's contract (see each recipe's docstring):
+
+- `DeepSupervisionMLP` (multihead): ``forward(x)`` -> a list of logits, one per head, deepest last.
+- `MultiTaskMLP` (weighted): ``forward(x)`` -> a dict task name -> output.
+- `MLP` (accumulation's classifier; the GAN's generator and discriminator): ``forward(x)`` -> one tensor.
+- `CharLSTM` (tbptt): ``forward(tokens, hidden=None)`` -> ``(logits, hidden)``.
+
+No BatchNorm or dropout unless asked: with either, k micro-batches of b stop being one batch of k·b
+(BatchNorm normalises each micro-batch by its own statistics, dropout draws other masks), and so do
+2 ranks × b and 1 rank × 2b.
+"""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+
+from multiloss.config import require
 
 
 def dense_block(in_features: int, out_features: int, dropout: float = 0.0, batch_norm: bool = False) -> nn.Sequential:
-    """Linear -> [BatchNorm] -> ReLU -> [Dropout].
-
-    BatchNorm and dropout are off by default in the recipes whose proofs need "k micro-batches of b
-    == one batch of k·b" and "2 ranks × b == 1 rank × 2b": BatchNorm's statistics depend on the
-    micro-batch (and on the rank's shard), dropout's masks on the random stream.
-    """
+    """Linear -> [BatchNorm] -> ReLU -> [Dropout]."""
     layers: list[nn.Module] = [nn.Linear(in_features, out_features)]
     if batch_norm:
         layers.append(nn.BatchNorm1d(out_features))
@@ -23,7 +37,137 @@ def dense_block(in_features: int, out_features: int, dropout: float = 0.0, batch
     return nn.Sequential(*layers)
 
 
-def mlp(sizes: list[int], dropout: float = 0.0, batch_norm: bool = False) -> nn.Sequential:
-    """Dense blocks through ``sizes[:-1]`` and a plain linear output layer of ``sizes[-1]``."""
-    blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes[:-1])]
-    return nn.Sequential(*blocks, nn.Linear(sizes[-2], sizes[-1]))
+def _check_sizes(**sizes: int) -> None:
+    for key, value in sizes.items():
+        require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
+
+
+def _check_regularisation(dropout: float, depth: int) -> None:
+    require(0 <= dropout < 1, "dropout", dropout, "a probability in [0, 1)")
+    require(isinstance(depth, int) and depth >= 0, "depth", depth, "an integer ≥ 0 (the number of hidden blocks)")
+
+
+class MLP(nn.Sequential):
+    """``depth`` dense blocks of ``width`` units, then a linear layer to ``out_features`` (depth 0: linear only).
+
+    Raises:
+        ConfigError: a size < 1, ``depth`` < 0 or ``dropout`` outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        width: int = 128,
+        depth: int = 2,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+    ) -> None:
+        _check_sizes(in_features=in_features, out_features=out_features, width=width)
+        _check_regularisation(dropout, depth)
+        sizes = [in_features] + [width] * depth
+        blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
+        super().__init__(*blocks, nn.Linear(sizes[-1], out_features))
+
+
+class DeepSupervisionMLP(nn.Module):
+    """A trunk of ``depth`` dense blocks with a classifier head after each (GoogLeNet-style auxiliary heads).
+
+    ``forward(x)`` returns every head's logits, shallowest first: the last entry is the final classifier.
+
+    Raises:
+        ConfigError: a size < 1, ``depth`` < 1 or ``dropout`` outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        in_features: int = 64,
+        num_classes: int = 10,
+        width: int = 128,
+        depth: int = 3,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_sizes(in_features=in_features, num_classes=num_classes, width=width)
+        _check_regularisation(dropout, depth)
+        require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of blocks, and of heads)")
+        sizes = [in_features] + [width] * depth
+        self.blocks = nn.ModuleList(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes))
+        self.heads = nn.ModuleList(nn.Linear(width, num_classes) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        logits = []
+        for block, head in zip(self.blocks, self.heads):
+            x = block(x)
+            logits.append(head(x))
+        return logits
+
+
+class MultiTaskMLP(nn.Module):
+    """A shared trunk of ``depth`` dense blocks and one linear head per task: ``heads`` maps name -> outputs.
+
+    ``forward(x)`` returns a dict name -> output; a head of one output gives shape ``(batch,)`` (what a
+    binary cross-entropy or a regression loss compares with a ``(batch,)`` target), wider heads
+    ``(batch, n)``.
+
+    Raises:
+        ConfigError: no heads, a head size or other size < 1, ``depth`` < 0 or ``dropout`` outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        heads: dict[str, int],
+        in_features: int = 64,
+        width: int = 128,
+        depth: int = 2,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        require(len(heads) >= 1, "heads", heads, "a mapping task name -> number of outputs, e.g. {digit: 10}")
+        _check_sizes(in_features=in_features, width=width, **{f"heads.{k}": v for k, v in heads.items()})
+        _check_regularisation(dropout, depth)
+        sizes = [in_features] + [width] * depth
+        self.trunk = nn.Sequential(*(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)))
+        self.heads = nn.ModuleDict({name: nn.Linear(sizes[-1], size) for name, size in heads.items()})
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.trunk(x)
+        out = {}
+        for name, head in self.heads.items():
+            y = head(h)
+            out[name] = y.squeeze(-1) if head.out_features == 1 else y
+        return out
+
+
+class CharLSTM(nn.Module):
+    """Token embedding -> LSTM -> linear head to ``vocab_size`` logits per position.
+
+    ``forward(tokens, hidden=None)`` takes ids ``(batch, time)`` and returns logits
+    ``(batch, time, vocab_size)`` and the state ``(h, c)`` after the last position. The tbptt recipe
+    passes ``vocab_size`` (the data's vocabulary) when the config leaves it out.
+
+    Raises:
+        ConfigError: a size < 1.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int = 48, hidden_size: int = 192, num_layers: int = 1) -> None:
+        super().__init__()
+        _check_sizes(vocab_size=vocab_size, embedding_dim=embedding_dim, hidden_size=hidden_size, num_layers=num_layers)
+        self.embed = nn.Embedding(vocab_size, embedding_dim)
+        self.lstm = nn.LSTM(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True)
+        self.head = nn.Linear(hidden_size, vocab_size)
+
+    def forward(self, tokens: torch.Tensor, hidden: Any = None) -> tuple[torch.Tensor, Any]:
+        out, hidden = self.lstm(self.embed(tokens), hidden)
+        return self.head(out), hidden
+
+
+def repackage_hidden(hidden: Any) -> Any:
+    """Keep a recurrent state's values, cut its graph: the next chunk's backward stops here.
+
+    Tree-wise, so an LSTM's ``(h, c)`` (both of them: detaching only ``h`` leaves the cell state
+    chained to the freed graph), a GRU's tensor or any nested structure of tensors is cut whole.
+    """
+    return apply_to_collection(hidden, torch.Tensor, torch.Tensor.detach)

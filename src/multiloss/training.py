@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,12 +25,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     run leaves an earlier run's files in the same directory untouched.
     """
     check_config(cfg)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    datamodule = _build("data", cfg.data)
-    model = _build("model", cfg.model)
-    # RngState is not optional: exact resume is part of the contract of `ckpt_path=`.
-    callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v] + [RngState()]
+    datamodule, model = build_data_and_model(cfg)
+    # RngState is not optional: exact resume is part of the contract of `ckpt_path=`. RunRecord
+    # writes the run's config copies once fit() has checked the components on a batch of the data.
+    callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
+    callbacks += [RngState(), RunRecord(cfg)]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     # Lightning's name "ddp" is built as multiloss's DDPStrategy (Hydra-job children, one wrapper
     # per network for multi-optimizer recipes); everything else goes to Lightning as given.
@@ -46,14 +45,47 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if callable(check := getattr(model, "check_trainer", None)):
         check(trainer)
 
-    save_run_config(cfg, cfg.paths.output_dir)
-    if cfg.get("print_config", True):
-        print_config_tree(cfg)
-    for lg in trainer.loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """The data module and the recipe module of a composed config, as `train` builds them (seeded by ``seed``).
+
+    A recipe may take arguments from the data module (tbptt: the data's vocabulary) through a
+    ``from_data(datamodule)`` classmethod, as LightningCLI's ``link_arguments`` does; a value set in
+    the config itself wins.
+    """
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = _build("data", cfg.data)
+    with _config_errors("model", cfg.model):
+        recipe = get_object(cfg.model._target_)
+    links = recipe.from_data(datamodule) if callable(getattr(recipe, "from_data", None)) else {}
+    links = {k: v for k, v in links.items() if cfg.model.get(k) is None}
+    if not links:
+        return datamodule, _build("model", cfg.model)
+    # Called, not merged into the config: a value from the data is data, never an interpolation.
+    with _config_errors("model", cfg.model):
+        return datamodule, instantiate(cfg.model, _partial_=True)(**links)
+
+
+class RunRecord(L.Callback):
+    """Writes the run's ``.hydra/`` config copies, prints the config tree and logs it, at the start of fit.
+
+    Not before: ``fit`` first runs the recipe's component check on a batch of the data (at setup)
+    and restores ``ckpt_path``; a run rejected there must leave an earlier run's files in the same
+    run dir untouched.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        save_run_config(self.cfg, self.cfg.paths.output_dir)
+        if self.cfg.get("print_config", True):
+            print_config_tree(self.cfg)
+        for lg in trainer.loggers:
+            lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
 
 
 def _build(path: str, node: DictConfig, **kwargs: Any) -> Any:

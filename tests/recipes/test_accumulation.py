@@ -17,36 +17,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from lightning import seed_everything
 
-from multiloss import train
+from multiloss import testing, train
 from multiloss.config import ConfigError
 from multiloss.lr_scaling import effective_batch_size, lr_factor, scaled_lr
+from multiloss.testing import GradientCapture
 from tests.conftest import ONE_CPU_NO_VAL, load_weights
-from tests.helpers import GradCapture
 
 FAST = (
     "recipe=accumulation",
     "optimizer=sgd",
     *ONE_CPU_NO_VAL,
-    "model.width=32",
+    "model.net.width=32",
 )
 
 
 def _fit(make_cfg, *overrides, callbacks=()):
     """Initial weights, the fitted module and its trainer, for one run of the recipe's real config."""
     cfg = make_cfg(*FAST, "logger=none", "callbacks=none", *overrides)
-    seed_everything(cfg.seed)  # as train(cfg) does before building the model
-    model = instantiate(cfg.model)
+    datamodule, model = testing.build(cfg)  # seeded, as train(cfg) builds them
     initial = copy.deepcopy(model.net)
     trainer = instantiate(cfg.trainer, callbacks=list(callbacks), logger=False, enable_checkpointing=False)
-    trainer.fit(model, datamodule=instantiate(cfg.data))
+    trainer.fit(model, datamodule=datamodule)
     return initial, model, trainer
 
 
 def _train_tensors(make_cfg):
     """The training split as plain tensors, in index order (what `data.shuffle=false` must serve)."""
-    dm = instantiate(make_cfg(*FAST).data)
+    dm, _ = testing.build(make_cfg(*FAST))
     dm.setup("fit")
     return dm.train_set.datasets["x"], dm.train_set.datasets["y"], dm
 
@@ -145,8 +143,7 @@ def test_lr_used_equals_rule(make_cfg, tmp_path, rule, b, k, lr):
     assert json.loads((tmp_path / "lr_scaling.json").read_text())["lr"] == pytest.approx(lr, rel=1e-12)
 
     # The step itself: one SGD step on the first k·b examples (data.shuffle=false) at the rule's LR.
-    seed_everything(cfg.seed)
-    net = instantiate(cfg.model).net
+    net = testing.build(cfg)[1].net
     x, y, _ = _train_tensors(make_cfg)
     loss = F.cross_entropy(net(x[: k * b]), y[: k * b])
     grads = torch.autograd.grad(loss, list(net.parameters()))
@@ -241,6 +238,19 @@ def test_micro_batches_equal_one_big_batch_and_the_seed_loop(make_cfg, rule, lr,
     assert _max_diff(accumulated.net, initial) > 1e-3
 
 
+def test_multiloss_testing_references_prove_the_recipe(make_cfg):
+    """The public helpers: the recipe's accumulated step == the seeds' loop over the 4 micro-batches ==
+    one backward over their 64 examples."""
+    cfg = make_cfg(*FAST, "logger=none", "callbacks=none", "data.batch_size=16", "model.lr_scaling=none")
+    datamodule, model = testing.build(cfg)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1, accumulate_grad_batches=4)
+    datamodule.setup("fit")
+    micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
+    whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
+    testing.assert_gradients_close(grads, testing.accumulated_gradients(model.net, micro), atol=1e-6)
+    testing.assert_gradients_close(grads, testing.one_batch_gradients(model.net, whole), atol=1e-6)
+
+
 # --- where it breaks -------------------------------------------------------------------------------
 
 
@@ -259,7 +269,7 @@ def test_batch_norm_breaks_the_equivalence(make_cfg):
     normalises per micro-batch, matches Lightning's accumulated run to float precision.
     """
     common = (
-        "model.batch_norm=true",
+        "model.net.batch_norm=true",
         "model.lr_scaling=none",
         "data.shuffle=false",
         f"trainer.max_steps={STEPS}",
@@ -284,7 +294,7 @@ def test_short_last_group_of_an_epoch_is_down_weighted(make_cfg):
     first epoch for this reason; `data.drop_last=true` with a multiple of k micro-batches per epoch
     avoids it.
     """
-    capture = GradCapture()
+    capture = GradientCapture()
     initial, _, trainer = _fit(
         make_cfg,
         "model.lr_scaling=none",

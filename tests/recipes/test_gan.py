@@ -16,13 +16,15 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from multiloss import ConfigError, train
+from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
 from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
 from multiloss.metrics import ModeCoverage
-from recipes.gan import GAN, gradient_penalty
-from tests.conftest import BARE, load_weights
-from tests.helpers import assert_grads_close, straight_and_resumed
+from multiloss.nets import MLP
+from multiloss.testing import assert_gradients_close
+from recipes.gan import gradient_penalty
+from tests.conftest import BARE, SMALL_GAN, load_weights
+from tests.helpers import straight_and_resumed
 
 BATCH = 64
 G_INDEX, D_INDEX = 0, 1  # configure_optimizers returns [opt_g, opt_d]
@@ -31,7 +33,7 @@ QUICK = (
     "recipe=gan",
     *BARE,
     f"data.batch_size={BATCH}",
-    "model.width=32",
+    *SMALL_GAN,
     "model.n_plot_samples=0",
 )
 # The two losses, one critic step per generator step (the shipped default is wgan-gp with n_critic=2).
@@ -66,19 +68,17 @@ def _fit(make_cfg, *overrides, steps: int = 4):
     cfg = make_cfg(*QUICK, f"trainer.max_steps={steps}", *overrides)
     check_config(cfg)
     L.seed_everything(cfg.seed)
-    model = instantiate(cfg.model)
+    datamodule, model = testing.build(cfg)
     initial = copy.deepcopy(model.state_dict())
     snaps = Snapshots()
     trainer = instantiate(cfg.trainer, callbacks=[snaps], logger=False, enable_checkpointing=False)
-    trainer.fit(model, datamodule=instantiate(cfg.data))
+    trainer.fit(model, datamodule=datamodule)
     model.load_state_dict(initial)
     return snaps, model, cfg
 
 
 def _first_batch(cfg) -> torch.Tensor:
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
-    return next(iter(dm.train_dataloader()))["x"]
+    return testing.first_batch(testing.build(cfg)[0])["x"]
 
 
 def _part(tensors: dict, net: str) -> dict:
@@ -153,7 +153,7 @@ def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
         fake = G(z)
     d_loss = _reference_d_loss(D, real, fake, eps, cfg.model.loss, cfg.model.gp_weight)
     d_grads = _named_grads(d_loss, D, "discriminator")
-    assert_grads_close(_part(d_step["grads"], "discriminator"), d_grads, atol=1e-6)
+    assert_gradients_close(_part(d_step["grads"], "discriminator"), d_grads, atol=1e-6)
 
     # SGD step of D by hand, then G's loss through the updated D, on the next noise.
     with torch.no_grad():
@@ -163,16 +163,33 @@ def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
     d_out = D(G(z))
     g_loss = -d_out.mean() if cfg.model.loss == "wgan-gp" else -torch.log(torch.sigmoid(d_out)).mean()
     g_grads = _named_grads(g_loss, G, "generator")
-    assert_grads_close(_part(g_step["grads"], "generator"), g_grads, atol=1e-6)
+    assert_gradients_close(_part(g_step["grads"], "generator"), g_grads, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", [NS, GP], ids=["nonsaturating", "wgan-gp"])
+def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
+    """The public helpers a user proves their own generator/critic with: D's step on the recipe's
+    noise == the reference; then G's step through D after an SGD step by hand == the reference."""
+    lr = 0.05
+    cfg = make_cfg(*QUICK, *loss, *SGD_D, f"model.d_optimizer.lr={lr}")
+    datamodule, model = testing.build(cfg)
+    d_step, g_step = testing.step_gradients(model, datamodule, steps=2)
+    real = testing.first_batch(datamodule)["x"]
+    (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, BATCH, model.latent_dim, draws=2)
+    with torch.no_grad():
+        fake = model.generator(z)
+    d_grads = testing.discriminator_gradients(model.discriminator, real, fake, model.loss, model.gp_weight, eps)
+    testing.assert_gradients_close(d_step, d_grads, atol=1e-6)
+    stepped_d = testing.sgd_step(model.discriminator, d_grads, lr, prefix="discriminator.")
+    testing.assert_gradients_close(g_step, testing.generator_gradients(model.generator, stepped_d, z_g, model.loss))
 
 
 # --- the gradient penalty's double backward ----------------------------------------------------------
 
 
 def _tiny_critic_and_batch():
-    model = GAN(torch.optim.SGD, torch.optim.SGD, loss="wgan-gp", gp_weight=1.0, width=6, depth=2)
     torch.manual_seed(0)
-    critic = model.discriminator.double()
+    critic = MLP(2, 1, width=6, depth=2).double()
     real, fake, eps = torch.randn(5, 2, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64), torch.rand(5, 1)
     return critic, real, fake, eps.double()
 
@@ -208,11 +225,9 @@ def test_gradient_penalty_without_create_graph_gives_the_weights_no_gradient():
 
 
 def _module_and_batch(make_cfg):
-    cfg = make_cfg(*QUICK)
-    torch.manual_seed(0)
-    model = instantiate(cfg.model)
+    datamodule, model = testing.build(make_cfg(*QUICK))
     opt_g, opt_d = model.configure_optimizers()
-    return model, opt_g, opt_d, _first_batch(cfg)
+    return model, opt_g, opt_d, testing.first_batch(datamodule)["x"]
 
 
 def test_without_detach_the_d_loss_fills_the_generators_gradients(make_cfg):
@@ -261,7 +276,7 @@ def test_logs_losses_lrs_metrics_and_writes_samples(make_cfg, tmp_path):
             "trainer.max_epochs=2",
             "trainer.limit_train_batches=6",
             "trainer.limit_val_batches=2",
-            "model.width=32",
+            *SMALL_GAN,
             output_dir=tmp_path,
         )
     )
@@ -287,7 +302,7 @@ def test_digits_option_writes_digit_grids(make_cfg, tmp_path):
             "data=digits",
             "model.data_dim=64",
             "model.latent_dim=8",
-            "model.width=32",
+            *SMALL_GAN,
             "trainer.accelerator=cpu",
             "trainer.max_steps=6",
             "trainer.limit_val_batches=1",
@@ -312,7 +327,7 @@ def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path):
         "~callbacks.loss_curves",
         "~callbacks.lr_monitor",
         f"data.batch_size={BATCH}",
-        "model.width=32",
+        *SMALL_GAN,
         "model.n_plot_samples=0",
     )
     runs = straight_and_resumed(make_cfg, tmp_path, small, stop="trainer.max_steps=12", end="trainer.max_steps=24")
@@ -336,7 +351,7 @@ def test_default_run_covers_most_modes(make_cfg, tmp_path):
 def test_each_optimizer_is_chosen_from_the_optimizer_group(make_cfg):
     cfg = make_cfg("recipe=gan", *SGD_D)
     check_config(cfg)
-    model = instantiate(cfg.model)
+    _, model = testing.build(cfg)
     opt_g, opt_d = model.configure_optimizers()
     assert isinstance(opt_g, torch.optim.Adam) and isinstance(opt_d, torch.optim.SGD)
     assert {id(p) for p in opt_d.param_groups[0]["params"]} == {id(p) for p in model.discriminator.parameters()}
@@ -372,10 +387,19 @@ def test_wgan_gp_without_penalty_is_rejected(make_cfg, tmp_path):
     assert "positive" in err.value.message
 
 
-def test_data_dim_must_match_the_data(make_cfg, tmp_path):
+def test_generator_must_make_samples_of_the_datas_shape(make_cfg, tmp_path):
     with pytest.raises(ConfigError) as err:
         train(make_cfg("recipe=gan", "data=digits", "trainer.max_steps=1", output_dir=tmp_path))
-    assert err.value.key == "model.data_dim" and "64" in err.value.message
+    assert err.value.key == "model.generator"
+    assert "sample shape (64,)" in err.value.message and "model.data_dim=64" in err.value.message
+    assert not (tmp_path / ".hydra").exists()
+
+
+def test_discriminator_must_give_one_score_per_sample(make_cfg, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", "model.discriminator.out_features=3", "trainer.max_steps=1", output_dir=tmp_path))
+    assert err.value.key == "model.discriminator" and "one score per sample" in err.value.message
+    assert not (tmp_path / ".hydra").exists()
 
 
 # --- the mode-coverage metric ---------------------------------------------------------------------------

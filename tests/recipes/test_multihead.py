@@ -9,80 +9,53 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 
-from multiloss import train
+from multiloss import testing, train
+from multiloss.config import ConfigError
+from multiloss.testing import assert_gradients_close
 from tests.conftest import BARE
-from tests.helpers import GradCapture, assert_grads_close
 
 BATCH = 64
 
 
-def _first_batch(cfg):
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
-    return next(iter(dm.train_dataloader()))
-
-
-def _lightning_grads(make_cfg, *overrides):
-    """Gradient of the recipe's own step, from a 1-step run of the real Trainer, and the module."""
-    cfg = make_cfg(
-        "recipe=multihead",
-        "trainer.max_steps=1",
-        *BARE,
-        f"data.batch_size={BATCH}",
-        *overrides,
-    )
-    torch.manual_seed(cfg.seed)
-    capture = GradCapture()
-    from lightning import seed_everything
-
-    seed_everything(cfg.seed)
-    model = instantiate(cfg.model)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = instantiate(cfg.trainer, callbacks=[capture], logger=False, enable_checkpointing=False)
-    trainer.fit(model, datamodule=instantiate(cfg.data))
-    model.load_state_dict(initial)  # back to the weights the captured gradient was taken at
-    return capture.steps[0], model, _first_batch(cfg)
-
-
-def _per_head_losses(model, batch):
-    return [w * F.cross_entropy(logits, batch["y"]) for w, logits in zip(model.head_weights, model(batch["x"]))]
+def _step(make_cfg, *overrides):
+    """The recipe's first-step gradients under the real Trainer, the module at its initial weights, the batch."""
+    cfg = make_cfg("recipe=multihead", *BARE, f"data.batch_size={BATCH}", *overrides)
+    datamodule, model = testing.build(cfg)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    return grads, model, testing.first_batch(datamodule)
 
 
 @pytest.mark.parametrize("weights", [None, "[0.3,0.5,1.0]"])
 def test_summed_backward_equals_per_head_references(make_cfg, weights):
     overrides = [] if weights is None else [f"model.head_weights={weights}"]
-    summed, model, batch = _lightning_grads(make_cfg, *overrides)
-    params = dict(model.named_parameters())
+    summed, model, batch = _step(make_cfg, *overrides)
+    head_weights = model.head_weights or [1.0, 1.0, 1.0]
 
     # Reference 1: the seeds' loop, one backward per head, retain_graph so the trunk survives.
-    model.zero_grad(set_to_none=True)
-    losses = _per_head_losses(model, batch)
-    for i, loss in enumerate(losses):
-        loss.backward(retain_graph=i < len(losses) - 1)
-    per_head_backward = {n: p.grad.clone() if p.grad is not None else None for n, p in params.items()}
+    per_head_backward = testing.per_head_gradients(model.net, batch, head_weights)
 
     # Reference 2: torch.autograd.grad per head, summed by hand.
-    losses = _per_head_losses(model, batch)
+    params = dict(model.named_parameters())
     per_head_grad = {n: torch.zeros_like(p) for n, p in params.items()}
-    for loss in losses:
+    for w, logits in zip(head_weights, model.net(batch["x"])):
+        loss = w * F.cross_entropy(logits, batch["y"])
         grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
         for (n, _), g in zip(params.items(), grads):
             if g is not None:
                 per_head_grad[n] += g
 
-    assert_grads_close(summed, per_head_backward, atol=1e-6)
-    assert_grads_close(summed, per_head_grad, atol=1e-6)
+    assert_gradients_close(summed, per_head_backward, atol=1e-6)
+    assert_gradients_close(summed, per_head_grad, atol=1e-6)
     # Head i's weights get gradient only from loss i: the sum does not mix heads.
-    assert summed["heads.0.weight"].abs().sum() > 0
+    assert summed["net.heads.0.weight"].abs().sum() > 0
 
 
 def test_per_head_backward_without_retain_graph_fails(make_cfg):
     """The seeds' pitfall, shown on the real module: the second head's backward finds the trunk freed."""
-    model = instantiate(make_cfg("recipe=multihead").model)
-    batch = _first_batch(make_cfg("recipe=multihead"))
-    losses = _per_head_losses(model, batch)
+    datamodule, model = testing.build(make_cfg("recipe=multihead"))
+    batch = testing.first_batch(datamodule)
+    losses = [F.cross_entropy(logits, batch["y"]) for logits in model.net(batch["x"])]
     losses[0].backward()
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         losses[1].backward()
@@ -100,3 +73,24 @@ def test_logs_every_head_and_learns(make_cfg, tmp_path):
     assert {"loss/head0", "loss/head1", "loss/head2", "loss/total"} <= set(header)
     assert any(col.startswith("lr") for col in header)
     assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "said"),
+    [
+        # A classifier with one output where the recipe needs one per head.
+        (
+            ("model.net._target_=multiloss.nets.MLP", "~model.net.num_classes", "+model.net.out_features=10"),
+            "model.net",
+            "it returned a tensor float32 (2, 10)",
+        ),
+        (("model.head_weights=[1,2]",), "model.head_weights", "3 numbers (model.net has 3 heads)"),
+        (("model.net.num_classes=1",), "model.net", "it failed"),  # y holds classes up to 9
+    ],
+)
+def test_a_net_that_breaks_the_contract_is_rejected_before_any_write(make_cfg, tmp_path, overrides, key, said):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=multihead", "trainer.max_steps=1", *overrides, output_dir=tmp_path))
+    assert err.value.key == key
+    assert said in err.value.message
+    assert not (tmp_path / ".hydra").exists() and not (tmp_path / "checkpoints").exists()

@@ -16,19 +16,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from lightning import seed_everything
 from omegaconf import OmegaConf
 
-from multiloss import ConfigError, train
-from multiloss.data.text import CharVocab, PydocTextDataModule, pydoc_text
+from multiloss import ConfigError, testing, train
+from multiloss.data.text import TextDataModule, Vocabulary, pydoc_text
+from multiloss.testing import GradientCapture, assert_gradients_close
 from recipes.tbptt import TruncatedBPTT
 from tests.conftest import load_weights, run_cli
-from tests.helpers import GradCapture, assert_grads_close, straight_and_resumed
+from tests.helpers import straight_and_resumed
 
 TINY = (
     "recipe=tbptt",
-    "model.embedding_dim=8",
-    "model.hidden_size=16",
+    "model.net.embedding_dim=8",
+    "model.net.hidden_size=16",
     "data.batch_size=4",
     "trainer.accelerator=cpu",
     "trainer.devices=1",
@@ -47,7 +47,11 @@ ONE_BATCH = (
 
 
 def reference_lstm(p: dict[str, torch.Tensor], x: torch.Tensor, hidden=None):
-    """Embedding -> one LSTM layer, gate by gate (PyTorch's i, f, g, o order) -> linear head."""
+    """Embedding -> one LSTM layer, gate by gate (PyTorch's i, f, g, o order) -> linear head.
+
+    ``p``: the recipe module's parameters by name (``net.embed.weight``, ...).
+    """
+    p = {k.removeprefix("net."): v for k, v in p.items()}
     emb = p["embed.weight"][x]
     batch, hidden_size = x.shape[0], p["lstm.weight_hh_l0"].shape[1]
     h, c = hidden if hidden is not None else (emb.new_zeros(batch, hidden_size), emb.new_zeros(batch, hidden_size))
@@ -70,7 +74,7 @@ def repackage_hidden(hidden):
 def reference_tbptt(initial, batch, chunk_length, lr=0.1, every=1):
     """The hand-written TBPTT loop: per chunk forward, backward, (every k chunks) SGD step, detach.
 
-    Returns the gradient in effect at each optimizer step (what GradCapture sees in the recipe).
+    Returns the gradient in effect at each optimizer step (what GradientCapture sees in the recipe).
     """
     p = {k: v.detach().clone().requires_grad_() for k, v in initial.items()}
     x, y = batch["x"], batch["y"]
@@ -102,21 +106,14 @@ def full_bptt_grads(initial, batch):
 # ---------------------------------------------------------------------------------- runs
 
 
-def _first_batch(cfg):
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
-    return next(iter(dm.train_dataloader()))
-
-
 def _fit_one_batch(make_cfg, *overrides, target: str | None = None, callbacks=(), steps: int | None = None):
     """A real Trainer.fit over the first batch; returns captured grads, initial params and the batch."""
     cfg = make_cfg(*ONE_BATCH, *overrides)
     if target is not None:
         OmegaConf.update(cfg, "model._target_", target)
-    seed_everything(cfg.seed)
-    model = instantiate(cfg.model)
+    datamodule, model = testing.build(cfg)
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
-    capture = GradCapture()
+    capture = GradientCapture()
     if steps is None:  # one batch: as many steps as that batch's optimizer steps
         n_chunks = math.ceil(cfg.data.seq_len / cfg.model.chunk_length)
         steps = math.ceil(n_chunks / cfg.model.accumulate_grad_batches)
@@ -127,8 +124,8 @@ def _fit_one_batch(make_cfg, *overrides, target: str | None = None, callbacks=()
         enable_checkpointing=False,
         max_steps=steps,
     )
-    trainer.fit(model, datamodule=instantiate(cfg.data))
-    return capture.steps, initial, _first_batch(cfg)
+    trainer.fit(model, datamodule=datamodule)
+    return capture.steps, initial, testing.first_batch(datamodule)
 
 
 # -------------------------------------------------------------------------------- proofs
@@ -138,10 +135,10 @@ def test_one_chunk_of_the_whole_sequence_is_full_bptt(make_cfg):
     captured, initial, batch = _fit_one_batch(make_cfg, "data.seq_len=24", "model.chunk_length=24")
     assert len(captured) == 1
     full = full_bptt_grads(initial, batch)
-    assert_grads_close(captured[0], full, atol=1e-6)
+    assert_gradients_close(captured[0], full, atol=1e-6)
     # Not vacuous: truncating the same sequence into chunks of 8 changes the (first) gradient.
     truncated = reference_tbptt(initial, batch, chunk_length=8)[0]
-    assert (truncated["lstm.weight_hh_l0"] - full["lstm.weight_hh_l0"]).abs().max() > 1e-4
+    assert (truncated["net.lstm.weight_hh_l0"] - full["net.lstm.weight_hh_l0"]).abs().max() > 1e-4
 
 
 def test_chunk_by_chunk_equals_repackage_hidden_loop(make_cfg):
@@ -152,9 +149,33 @@ def test_chunk_by_chunk_equals_repackage_hidden_loop(make_cfg):
     reference = reference_tbptt(initial, batch, chunk_length=16, lr=0.1)
     assert len(captured) == len(reference) == 3
     for got, want in zip(captured, reference):
-        assert_grads_close(got, want, atol=1e-6)
+        assert_gradients_close(got, want, atol=1e-6)
     # The steps are real: the second chunk's gradient was taken at updated weights.
-    assert (captured[1]["head.bias"] - captured[0]["head.bias"]).abs().max() > 1e-4
+    assert (captured[1]["net.head.bias"] - captured[0]["net.head.bias"]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize(("seq_len", "chunk", "every"), [(40, 16, 1), (32, 8, 2), (24, 24, 1)])
+def test_multiloss_testing_references_prove_the_recipe(make_cfg, seq_len, chunk, every):
+    """The public helpers a user proves their own net with: the recipe's steps == the repackage_hidden
+    loop (SGD by hand between steps), and one chunk of the whole sequence == full BPTT."""
+    cfg = make_cfg(
+        *ONE_BATCH,
+        "optimizer=sgd",
+        "model.optimizer.lr=0.1",
+        f"data.seq_len={seq_len}",
+        f"model.chunk_length={chunk}",
+        f"model.accumulate_grad_batches={every}",
+    )
+    datamodule, model = testing.build(cfg)
+    n_steps = math.ceil(math.ceil(seq_len / chunk) / every)
+    captured = testing.step_gradients(model, datamodule, steps=n_steps)
+    batch = testing.first_batch(datamodule)
+    reference = testing.tbptt_gradients(model.net, batch, chunk_length=chunk, lr=0.1, every=every)
+    assert len(captured) == len(reference) == n_steps
+    for got, want in zip(captured, reference):
+        testing.assert_gradients_close(got, want, atol=1e-6)
+    if chunk >= seq_len:
+        testing.assert_gradients_close(captured[0], testing.full_bptt_gradients(model.net, batch), atol=1e-6)
 
 
 def test_accumulation_sums_consecutive_chunks(make_cfg):
@@ -170,7 +191,7 @@ def test_accumulation_sums_consecutive_chunks(make_cfg):
     reference = reference_tbptt(initial, batch, chunk_length=8, lr=0.1, every=2)
     assert len(captured) == len(reference) == 2
     for got, want in zip(captured, reference):
-        assert_grads_close(got, want, atol=1e-6)
+        assert_gradients_close(got, want, atol=1e-6)
 
 
 def test_gradient_is_clipped_by_global_norm(make_cfg):
@@ -182,7 +203,7 @@ def test_gradient_is_clipped_by_global_norm(make_cfg):
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw.values()]))
     assert norm > clip  # the clip is active
     scale = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-    assert_grads_close(captured[0], {k: g * scale for k, g in raw.items()}, atol=1e-7)
+    assert_gradients_close(captured[0], {k: g * scale for k, g in raw.items()}, atol=1e-7)
 
 
 # ------------------------------------------------------------------------ memory proof
@@ -220,7 +241,7 @@ class SavedBytes:
         return box.tensor
 
 
-class _PerStep(GradCapture):
+class _PerStep(GradientCapture):
     """Records the bytes packed since the previous optimizer step (one chunk's forward)."""
 
     def __init__(self, saved: SavedBytes) -> None:
@@ -318,7 +339,7 @@ def test_logs_bpc_and_writes_samples(make_cfg, tmp_path):
     # val/bpc is the cross-entropy over the held-out slice's first 2 batches, in bits, at the final weights.
     weights = load_weights(tmp_path / "checkpoints/last.ckpt")
     p = {k: v for k, v in weights.items() if not k.startswith("val_")}
-    dm = instantiate(cfg.data)
+    dm, model = testing.build(cfg)
     dm.setup("fit")
     val = dm.val_set[: 2 * cfg.data.batch_size]
     with torch.no_grad():
@@ -343,7 +364,6 @@ def test_logs_bpc_and_writes_samples(make_cfg, tmp_path):
     assert [s.name for s in samples] == ["epoch_000.txt", "epoch_001.txt"]
     header_line, text = samples[-1].read_text(encoding="utf-8").split("\n", 1)
     assert header_line.startswith("# epoch 1, step 18, val/bpc")
-    model = instantiate(cfg.model)
     model.load_state_dict(weights)
     expected = model.generate("The ", 40, 0.8, torch.Generator().manual_seed(0))
     assert text == expected + "\n"
@@ -351,7 +371,7 @@ def test_logs_bpc_and_writes_samples(make_cfg, tmp_path):
 
 
 def test_sampling_is_seeded_and_leaves_the_global_rng_alone(make_cfg):
-    model = instantiate(make_cfg(*TINY).model)
+    _, model = testing.build(make_cfg(*TINY))
     before = torch.get_rng_state()
     a = model.generate("The ", 60, 0.8, torch.Generator().manual_seed(0))
     assert torch.equal(torch.get_rng_state(), before)
@@ -363,11 +383,12 @@ def test_sampling_is_seeded_and_leaves_the_global_rng_alone(make_cfg):
 
 def test_vocabulary_is_fixed_and_validation_is_the_held_out_tail():
     text = pydoc_text()
-    vocab = CharVocab.pydoc()
-    assert vocab.chars == "".join(sorted(set(text)))
+    vocab = Vocabulary.from_text(text)
+    assert vocab.spec == "".join(sorted(set(text)))
     tails = []
     for seq_len in (64, 100):
-        dm = PydocTextDataModule(seq_len=seq_len, val_fraction=0.1)
+        dm = TextDataModule(level="chars", seq_len=seq_len, val_fraction=0.1)
+        assert dm.vocab == vocab
         dm.setup("fit")
         x, y = dm.train_set[:]["x"], dm.train_set[:]["y"]
         assert x.shape[1] == y.shape[1] == seq_len
@@ -443,7 +464,7 @@ def test_resume_across_an_epoch_end_is_exact(make_cfg, tmp_path):
 def test_checkpoint_with_another_vocabulary_is_refused(make_cfg, tmp_path):
     train(make_cfg(*RESUMABLE, "trainer.max_steps=2", output_dir=tmp_path / "first"))
     ckpt = torch.load(tmp_path / "first/checkpoints/last.ckpt", weights_only=True)
-    assert ckpt["vocab"] == CharVocab.pydoc().chars
+    assert ckpt["vocab"] == ckpt["hyper_parameters"]["vocab"] == Vocabulary.from_text(pydoc_text()).spec
     ckpt["vocab"] = ckpt["vocab"][::-1]  # same size, other ids: would decode garbage silently
     torch.save(ckpt, tmp_path / "other.ckpt")
     with pytest.raises(ConfigError) as err:

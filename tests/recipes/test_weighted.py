@@ -1,4 +1,4 @@
-"""`weighted`: one backward with grad_tensors=loss_weights == backward of Σ wᵢ·lossᵢ == Σ wᵢ·grad(lossᵢ).
+"""`weighted`: one backward with grad_tensors=the task weights == backward of Σ wᵢ·lossᵢ == Σ wᵢ·grad(lossᵢ).
 
 The recipe's gradient is taken from its real training step under the real Trainer (captured just
 before the optimizer step). The references are plain PyTorch written here from the parameters
@@ -10,58 +10,52 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
-from lightning import seed_everything
 
-from multiloss import train
+from multiloss import testing, train
 from multiloss.config import ConfigError
+from multiloss.testing import assert_gradients_close
 from recipes.weighted import weighted_backward
 from tests.conftest import BARE
-from tests.helpers import GradCapture, assert_grads_close, straight_and_resumed
+from tests.helpers import straight_and_resumed
 
 BATCH = 64
 QUICK = (
     "recipe=weighted",
     *BARE,
 )
+TASKS = ("digit", "parity", "ink")
 
 
-def _first_batch(cfg):
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
-    return next(iter(dm.train_dataloader()))
+def _weights(weights) -> list[str]:
+    return [f"model.tasks.{task}.weight={w}" for task, w in zip(TASKS, weights)]
 
 
-def _lightning_step(make_cfg, *overrides):
+def _lightning_step(make_cfg, *overrides, **trainer_kwargs):
     """Gradients of the recipe's first optimizer step under the real Trainer, the module at its
-    initial weights, and how many times the trunk's backward ran in that step."""
-    cfg = make_cfg(*QUICK, "trainer.max_steps=1", *overrides)
-    seed_everything(cfg.seed)
-    model = instantiate(cfg.model)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    initial weights, the batch of that step, and how many times the trunk's backward ran in it."""
+    datamodule, model = testing.build(make_cfg(*QUICK, *overrides))
     # Counts the gradients arriving at the trunk's output: once per backward pass through it.
     trunk_backwards = []
 
     def count_backwards(module, inputs, output):
-        output.register_hook(lambda grad: trunk_backwards.append(1))
+        if output.requires_grad:
+            output.register_hook(lambda grad: trunk_backwards.append(1))
 
-    model.trunk.register_forward_hook(count_backwards)
-    capture = GradCapture()
-    trainer = instantiate(cfg.trainer, callbacks=[capture], logger=False, enable_checkpointing=False)
-    trainer.fit(model, datamodule=instantiate(cfg.data))
-    model.load_state_dict(initial)  # back to the weights the captured gradient was taken at
-    assert len(capture.steps) == 1
-    return capture.steps[0], model, len(trunk_backwards)
+    hook = model.net.trunk.register_forward_hook(count_backwards)
+    steps = testing.step_gradients(model, datamodule, steps=1, **trainer_kwargs)
+    hook.remove()
+    assert len(steps) == 1
+    return steps[0], model, testing.first_batch(datamodule), len(trunk_backwards)
 
 
 def _reference_losses(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], depth: int) -> list:
-    """The three task losses in plain PyTorch, from the parameters only (no recipe code)."""
+    """The three task losses in plain PyTorch, from the parameters only (no recipe or data-module code)."""
     h = batch["x"]
     for i in range(depth):
-        h = torch.relu(F.linear(h, params[f"trunk.{i}.0.weight"], params[f"trunk.{i}.0.bias"]))
-    digit = F.linear(h, params["heads.digit.weight"], params["heads.digit.bias"])
-    parity = F.linear(h, params["heads.parity.weight"], params["heads.parity.bias"])[:, 0]
-    ink = F.linear(h, params["heads.ink.weight"], params["heads.ink.bias"])[:, 0]
+        h = torch.relu(F.linear(h, params[f"net.trunk.{i}.0.weight"], params[f"net.trunk.{i}.0.bias"]))
+    digit = F.linear(h, params["net.heads.digit.weight"], params["net.heads.digit.bias"])
+    parity = F.linear(h, params["net.heads.parity.weight"], params["net.heads.parity.bias"])[:, 0]
+    ink = F.linear(h, params["net.heads.ink.weight"], params["net.heads.ink.bias"])[:, 0]
     y = batch["y"]
     return [
         F.cross_entropy(digit, y),
@@ -73,7 +67,7 @@ def _reference_losses(params: dict[str, torch.Tensor], batch: dict[str, torch.Te
 def _references(model, batch, weights):
     """(backward of Σ wᵢ·lossᵢ, Σ wᵢ·autograd.grad(lossᵢ)) as name -> gradient maps."""
     params = dict(model.named_parameters())
-    depth = model.hparams.depth
+    depth = model.hparams.net["depth"]
     model.zero_grad(set_to_none=True)
     losses = _reference_losses(params, batch, depth)
     sum(w * loss for w, loss in zip(weights, losses)).backward()
@@ -92,39 +86,39 @@ def _references(model, batch, weights):
 
 @pytest.mark.parametrize("weights", [None, [0.7, 1.3, 40.0], [1.0, 0.0, 30.0]])
 def test_weighted_backward_equals_backward_of_weighted_sum(make_cfg, weights):
-    overrides = [f"data.batch_size={BATCH}"]
-    if weights is not None:
-        overrides.append(f"model.loss_weights=[{','.join(map(str, weights))}]")
-    grads, model, trunk_backwards = _lightning_step(make_cfg, *overrides)
-    assert weights is not None or model.loss_weights == [1.0, 1.0, 30.0]  # the shipped default
-    batch = _first_batch(make_cfg(*QUICK, *overrides))
+    overrides = [f"data.batch_size={BATCH}", *(_weights(weights) if weights else [])]
+    grads, model, batch, trunk_backwards = _lightning_step(make_cfg, *overrides)
+    used = [t.weight for t in model.tasks.values()]
+    assert used == (weights or [1.0, 1.0, 30.0])  # the shipped default
 
-    summed, per_task = _references(model, batch, model.loss_weights)
-    assert_grads_close(grads, summed, atol=1e-6)
-    assert_grads_close(grads, per_task, atol=1e-6)
+    summed, per_task = _references(model, batch, used)
+    assert_gradients_close(grads, summed, atol=1e-6)
+    assert_gradients_close(grads, per_task, atol=1e-6)
+    # And multiloss.testing's reference, from the module's own task list (losses, targets, weights).
+    assert_gradients_close(grads, testing.weighted_sum_gradients(model.net, batch, model.tasks), atol=1e-6)
     # One backward through the trunk per step: not one per task.
     assert trunk_backwards == 1
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "parity" not in n)
 
 
 def test_zero_weight_leaves_its_head_with_zero_gradient(make_cfg):
-    grads, _, _ = _lightning_step(make_cfg, "model.loss_weights=[1.0,0.0,30.0]")
-    for name in ("heads.parity.weight", "heads.parity.bias"):
+    grads, _, _, _ = _lightning_step(make_cfg, "model.tasks.parity.weight=0")
+    for name in ("net.heads.parity.weight", "net.heads.parity.bias"):
         assert grads[name] is not None and torch.count_nonzero(grads[name]) == 0, name
-    for name in ("heads.digit.weight", "heads.ink.weight", "trunk.0.0.weight"):
+    for name in ("net.heads.digit.weight", "net.heads.ink.weight", "net.trunk.0.0.weight"):
         assert torch.count_nonzero(grads[name]) > 0, name
     # With the weight on, the same head does get a gradient: the zero above is the weight's doing.
-    grads_on, _, _ = _lightning_step(make_cfg, "model.loss_weights=[1.0,0.5,30.0]")
-    assert torch.count_nonzero(grads_on["heads.parity.weight"]) > 0
+    grads_on, _, _, _ = _lightning_step(make_cfg, "model.tasks.parity.weight=0.5")
+    assert torch.count_nonzero(grads_on["net.heads.parity.weight"]) > 0
 
 
 def test_lightning_accumulation_scales_the_loss_vector(make_cfg):
     """trainer.accumulate_grad_batches=2 of 32 == one batch of 64: Lightning's loss / k acts on the
     vector before the recipe's weighted backward (the reason the recipe keeps automatic optimization)."""
-    grads, model, _ = _lightning_step(make_cfg, "data.batch_size=32", "trainer.accumulate_grad_batches=2")
-    batch = _first_batch(make_cfg(*QUICK, f"data.batch_size={BATCH}"))
-    summed, _ = _references(model, batch, model.loss_weights)
-    assert_grads_close(grads, summed, atol=1e-6)
+    grads, model, _, _ = _lightning_step(make_cfg, "data.batch_size=32", accumulate_grad_batches=2)
+    batch = testing.first_batch(testing.build(make_cfg(*QUICK, f"data.batch_size={BATCH}"))[0])
+    summed, _ = _references(model, batch, [t.weight for t in model.tasks.values()])
+    assert_gradients_close(grads, summed, atol=1e-6)
 
 
 def _seed_graph():
@@ -142,8 +136,8 @@ def test_seed_example_through_the_recipes_backward(make_cfg):
     assert w.grad.item() == 9.0 and x.grad.item() == 4.0
 
     # The same numbers through the module's own backward hook (the one Lightning calls), with its
-    # configured loss_weights; the third task's weight 0 adds nothing.
-    model = instantiate(make_cfg("recipe=weighted", "model.loss_weights=[1,2,0]").model)
+    # configured task weights; the third task's weight 0 adds nothing.
+    _, model = testing.build(make_cfg("recipe=weighted", *_weights([1, 2, 0])))
     w, x, y0, y1 = _seed_graph()
     model.backward(torch.cat([y0, y1, w * x * 7]))
     assert w.grad.item() == 9.0 and x.grad.item() == 4.0
@@ -156,26 +150,59 @@ def test_seed_example_through_the_recipes_backward(make_cfg):
 def test_the_pitfalls_it_replaces(make_cfg):
     """On the real module: per-task backward without retain_graph fails on the second task (the
     trunk's saved tensors are gone), and the bare loss vector cannot backward without weights."""
-    cfg = make_cfg(*QUICK)
-    model, batch = instantiate(cfg.model), _first_batch(cfg)
-    losses = model.losses(model(batch["x"]), model.targets(batch))
+    datamodule, model = testing.build(make_cfg(*QUICK))
+    batch = testing.first_batch(datamodule)
+    _, losses = model.task_losses_of(batch)
     losses["digit"].backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         losses["parity"].backward()
-    losses = model.losses(model(batch["x"]), model.targets(batch))
+    _, losses = model.task_losses_of(batch)
     with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
         torch.stack(list(losses.values())).backward()
 
 
 @pytest.mark.parametrize(
-    ("weights", "problem"),
-    [("[1.0,2.0]", "3 numbers"), ("[1.0,-1.0,1.0]", "non-negative"), ("[0,0,0]", "not all zero")],
+    ("overrides", "key", "problem"),
+    [
+        (("model.tasks.parity.weight=-1",), "model.tasks.parity.weight", "≥ 0"),
+        (("model.tasks.ink.weight=inf",), "model.tasks.ink.weight", "finite"),
+        (_weights([0, 0, 0]), "model.tasks", "every weight is 0"),
+        (("+model.tasks.ink.wieght=2",), "model.tasks.ink.wieght", "unknown key"),
+        (("~model.tasks.ink.target",), "model.tasks.ink.target", "not set"),
+        (("model.tasks.ink.loss=torch.nn.functional.nope",), "model.tasks.ink.loss", "cannot import"),
+    ],
 )
-def test_rejects_bad_loss_weights(make_cfg, tmp_path, weights, problem):
+def test_rejects_bad_tasks(make_cfg, tmp_path, overrides, key, problem):
     with pytest.raises(ConfigError, match=problem) as err:
-        train(make_cfg(*QUICK, "trainer.max_steps=1", f"model.loss_weights={weights}", output_dir=tmp_path))
-    assert err.value.key == "model.loss_weights"
-    assert not (tmp_path / "checkpoints").exists()  # rejected before training
+        train(make_cfg(*QUICK, "trainer.max_steps=1", *overrides, output_dir=tmp_path))
+    assert err.value.key == key
+    assert not (tmp_path / ".hydra").exists()  # rejected before anything was written
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "said"),
+    [
+        (
+            ("model.tasks.ink.target=inky",),
+            "model.tasks.ink.target",
+            "one of the batch's keys: ['ink', 'parity', 'x', 'y']",
+        ),
+        (("~model.net.heads.ink",), "model.net", "no output for ['ink']"),
+        (("+model.net.heads.extra=2",), "model.tasks", "no task for ['extra']"),
+        (
+            ("+model.tasks.ink.loss._target_=torch.nn.MSELoss", "+model.tasks.ink.loss.reduction=none"),
+            "model.tasks.ink.loss",
+            "reduction='none'",
+        ),
+        (("model.tasks.digit.target=ink",), "model.tasks.digit.loss", "it failed"),  # CE on float targets of (2,)
+    ],
+)
+def test_components_that_break_the_contract_are_rejected_before_any_write(make_cfg, tmp_path, overrides, key, said):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*QUICK, "trainer.max_steps=1", *overrides, output_dir=tmp_path))
+    assert err.value.key == key
+    assert said in err.value.message
+    assert not (tmp_path / ".hydra").exists()
 
 
 def test_logs_every_task_and_learns(make_cfg, tmp_path):
@@ -185,7 +212,7 @@ def test_logs_every_task_and_learns(make_cfg, tmp_path):
     assert metrics["val/acc/digit"] >= 0.8, metrics  # chance: 0.1
     assert metrics["val/acc/parity"] >= 0.8, metrics  # chance: 0.5
     # Baseline: predict the training set's mean ink for every validation image.
-    dm = instantiate(cfg.data)
+    dm, _ = testing.build(cfg)
     dm.setup("fit")
     train_ink, val_ink = dm.train_set.datasets["x"].mean(dim=1), dm.val_set.datasets["x"].mean(dim=1)
     baseline = (val_ink - train_ink.mean()).abs().mean().item()
@@ -201,16 +228,16 @@ def test_logs_every_task_and_learns(make_cfg, tmp_path):
     # The plot's history travels in the checkpoint (two validations per epoch), so a resumed run continues it.
     history = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["task_metrics_history"]
     assert len(history) == 8
-    assert history[-1]["digit accuracy"] == pytest.approx(metrics["val/acc/digit"])
+    assert history[-1]["digit acc"] == pytest.approx(metrics["val/acc/digit"])
 
 
 def test_resume_mid_epoch_continues_exactly(make_cfg, tmp_path):
-    """ckpt_path= with non-default loss_weights: the checkpoint loads (weights_only), training continues
+    """ckpt_path= with a non-default task weight: the checkpoint loads (weights_only), training continues
     on exactly the same weights as a straight run, and task_metrics.png's history carries on."""
-    small = ("recipe=weighted", "model.loss_weights=[1.0,0.5,30.0]", "model.width=32", "~callbacks.loss_curves")
+    small = ("recipe=weighted", "model.tasks.parity.weight=0.5", "model.net.width=32", "~callbacks.loss_curves")
     runs = straight_and_resumed(make_cfg, tmp_path, small, stop="trainer.max_steps=15", end="trainer.max_steps=30")
     straight, _, resumed = (torch.load(run / "checkpoints/last.ckpt", weights_only=True) for run in runs)
-    assert resumed["hyper_parameters"]["loss_weights"] == [1.0, 0.5, 30.0]
+    assert resumed["hyper_parameters"]["tasks"]["parity"]["weight"] == 0.5
     for k, v in straight["state_dict"].items():
         assert torch.equal(resumed["state_dict"][k], v), k
     assert [h["step"] for h in resumed["task_metrics_history"]] == [11.0, 22.0]

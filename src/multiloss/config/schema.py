@@ -15,6 +15,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# Config groups whose options belong under the recipe's node (`# @package model.<group>`).
+COMPONENT_GROUPS = ("net", "generator", "discriminator", "tasks", "optimizer")
+
 
 @dataclass
 class TrainSchema:
@@ -27,6 +30,14 @@ class TrainSchema:
     logger: Any = None
     callbacks: Any = None
     paths: Any = MISSING
+    # Options of the component groups belong under `model` (`# @package model.<group>`); one whose
+    # file lacks that header lands here, and `check_config` says what to add instead of Hydra's
+    # "Key 'net' not in 'TrainSchema'".
+    net: Any = None
+    generator: Any = None
+    discriminator: Any = None
+    tasks: Any = None
+    optimizer: Any = None
 
 
 def register() -> None:

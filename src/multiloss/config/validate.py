@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from typeguard import CollectionCheckStrategy, TypeCheckError, check_type
 
 from multiloss.config.errors import ConfigError, require
+from multiloss.config.schema import COMPONENT_GROUPS
 
 # Arguments that `train` passes itself when it instantiates a node, so the config must not set them.
 _PASSED_BY_TRAIN = {"lightning.pytorch.trainer.trainer.Trainer": {"callbacks", "logger"}}
@@ -29,6 +30,15 @@ _PASSED_BY_TRAIN = {"lightning.pytorch.trainer.trainer.Trainer": {"callbacks", "
 
 def check_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for the first problem found in ``cfg``; return quietly if there is none."""
+    for group in COMPONENT_GROUPS:
+        # An option file without its package header lands at the top level instead of under `model`.
+        if cfg.get(group) is not None:
+            raise ConfigError(
+                group,
+                _plain(cfg, group),
+                f"an option file of the `{group}` group whose first line is `# @package model.{group}`",
+                "this option landed at the top level of the config, not under model",
+            )
     for key in ("data", "model", "trainer"):
         require(isinstance(cfg.get(key), DictConfig), key, cfg.get(key), "a config node with a `_target_`")
         check_node(cfg[key], key)
@@ -77,8 +87,12 @@ def _check_accelerator(name: Any) -> None:
         )
 
 
-def check_node(node: DictConfig, path: str) -> None:
-    """Check one ``_target_`` node (and the ``_target_`` nodes inside it) against its signature."""
+def check_node(node: DictConfig, path: str, passed: frozenset[str] = frozenset()) -> None:
+    """Check one ``_target_`` node (and the ``_target_`` nodes inside it) against its signature.
+
+    ``passed``: arguments the enclosing component supplies itself (tbptt passes its net's
+    ``vocab_size``), so the config need not set them.
+    """
     target_name = node.get("_target_")
     require(isinstance(target_name, str), f"{path}._target_", target_name, "a dotted import path")
     try:
@@ -91,7 +105,9 @@ def check_node(node: DictConfig, path: str) -> None:
             f"cannot import it ({err.__class__.__name__}: {err})",
         ) from None
     params, open_kwargs = _parameters(target)
-    passed_by_train = _PASSED_BY_TRAIN.get(_qualname(target), set())
+    passed_by_train = _PASSED_BY_TRAIN.get(_qualname(target), set()) | passed
+    # What this component supplies to the components configured inside it, by argument name.
+    passes_down: dict[str, Any] = getattr(target, "passed_to_components", {}) if inspect.isclass(target) else {}
     hints = _type_hints(target)
     is_partial = bool(node.get("_partial_", False))
 
@@ -116,10 +132,15 @@ def check_node(node: DictConfig, path: str) -> None:
                 f"{hint}arguments of {target_name}: {', '.join(sorted(params))}",
                 "unknown key",
             )
+        if OmegaConf.is_missing(node, key):  # `???` in the option file: the user must give it
+            raise ConfigError(where, "???", f"a value: {where}=<...> on the command line", "required but not set")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and "_target_" in child:
-            check_node(child, where)
+            check_node(child, where, frozenset(passes_down.get(key, ())))
             continue
+        if isinstance(child, DictConfig):  # e.g. tasks: the losses and metrics configured inside
+            for inner, inner_node in iter_target_nodes(child, where):
+                check_node(inner_node, inner)
         if key in hints:
             _check_type(where, _plain(node, key), hints[key])
 

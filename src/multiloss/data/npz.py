@@ -1,4 +1,4 @@
-"""The user's own arrays from a ``.npz`` file (or a pair of ``.npy`` files)."""
+"""The user's own arrays from a ``.npz`` file (or a ``.npy`` file, with an optional ``.npy`` of labels)."""
 
 from __future__ import annotations
 
@@ -7,44 +7,104 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from multiloss.config import require
+from multiloss.config import ConfigError, require
 from multiloss.data.arrays import ArrayDataModule
 
 
-class NpzDataModule(ArrayDataModule):
-    """Arrays ``x_key`` (features, float) and ``y_key`` (integer labels) from ``path`` as ``x`` and ``y``.
+def _tensor(name: str, array: np.ndarray, dtype: str | None) -> torch.Tensor:
+    """floats -> float32, integers -> int64, booleans -> float32 0/1 (what a BCE target needs); or ``dtype``."""
+    if dtype is not None:
+        target = getattr(torch, dtype, None)
+        require(isinstance(target, torch.dtype), f"dtypes.{name}", dtype, "a torch dtype name: float32, int64, ...")
+        return torch.as_tensor(np.asarray(array)).to(target)
+    kind = array.dtype.kind
+    if kind == "f":
+        return torch.as_tensor(np.asarray(array, dtype=np.float32))
+    if kind in "iu":
+        return torch.as_tensor(np.asarray(array, dtype=np.int64))
+    if kind == "b":
+        return torch.as_tensor(np.asarray(array, dtype=np.float32))
+    raise ConfigError(
+        "path",
+        f"<array {name!r} of dtype {array.dtype}>",
+        "numeric arrays (float, int, bool); convert strings or objects to numbers before saving",
+        "not a numeric array",
+    )
 
-    ``path`` is a ``.npz`` file, or a ``.npy`` file of features with ``y_path`` a ``.npy`` of labels.
+
+class NpzDataModule(ArrayDataModule):
+    """Every array of the ``.npz`` at ``path`` as a batch key of the same name, its examples along the first axis.
+
+    dtypes: floats -> float32, integers -> int64, booleans -> float32 (0/1); ``dtypes`` overrides per
+    key (``{x: float32}``). Shapes are kept (``x`` of images stays ``(N, C, H, W)``) unless the key
+    is listed in ``flatten`` (then ``(N, features)``). ``keys`` loads a subset; ``rename`` maps file
+    names to batch keys (``{features: x, labels: y}``). A ``.npy`` ``path`` is served as ``x``, and
+    ``y_path`` (a ``.npy`` of labels) as ``y``. Everything is read and checked when the data module
+    is built, before a run writes anything.
 
     Raises:
-        ConfigError: the file is missing, a key is not in it, or the arrays' lengths differ.
+        ConfigError: the file missing or unreadable, a listed key not in it, a non-numeric array,
+            no examples, or arrays of different lengths; the base class's checks.
     """
 
-    def __init__(self, path: str, x_key: str = "x", y_key: str = "y", y_path: str | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        path: str,
+        keys: list[str] | None = None,
+        rename: dict[str, str] | None = None,
+        flatten: list[str] | None = None,
+        dtypes: dict[str, str] | None = None,
+        y_path: str | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         require(Path(path).is_file(), "path", path, "an existing .npz (or .npy) file", "no such file")
-        self.path, self.x_key, self.y_key, self.y_path = Path(path), x_key, y_key, y_path
-        # Fail now, before training starts, rather than in setup() after outputs exist.
-        x, y = self._arrays()
-        require(len(x) == len(y), "path", path, f"arrays of the same length (x has {len(x)}, y has {len(y)})")
+        self.path, self.y_path = Path(path), y_path
+        rename, flatten, dtypes = dict(rename or {}), list(flatten or []), dict(dtypes or {})
+        arrays = self._read(keys)
+        for old in rename:
+            require(old in arrays, f"rename.{old}", rename[old], f"renames of the file's arrays: {sorted(arrays)}")
+        arrays = {rename.get(k, k): v for k, v in arrays.items()}
+        for key, names in (("flatten", flatten), ("dtypes", list(dtypes))):
+            unknown = [n for n in names if n not in arrays]
+            require(not unknown, key, unknown[0] if unknown else None, f"batch keys: {sorted(arrays)}", "no such key")
+        tensors = {k: _tensor(k, v, dtypes.get(k)) for k, v in arrays.items()}
+        for k in flatten:
+            require(tensors[k].dim() >= 1, "flatten", k, "keys of arrays with an examples axis")
+            tensors[k] = tensors[k].flatten(1) if tensors[k].dim() > 1 else tensors[k]
+        lengths = {k: len(v) if v.dim() > 0 else 0 for k, v in tensors.items()}
+        require(
+            len(set(lengths.values())) == 1,
+            "path",
+            str(path),
+            "arrays of the same length along their first axis (the examples)",
+            f"lengths differ: {lengths}",
+        )
+        require(next(iter(lengths.values())) > 0, "path", str(path), "at least one example", "the arrays are empty")
+        self.arrays = tensors
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.path.suffix == ".npy":
-            require(
-                self.y_path is not None and Path(self.y_path).is_file(),
-                "y_path",
-                self.y_path,
-                "an existing .npy file of labels (needed when path is a .npy of features)",
-            )
-            return np.load(self.path, mmap_mode="r"), np.load(self.y_path, mmap_mode="r")
-        with np.load(self.path) as arrays:
-            for key_name, key in (("x_key", self.x_key), ("y_key", self.y_key)):
-                require(key in arrays.files, key_name, key, f"one of the arrays in {self.path}: {arrays.files}")
-            return arrays[self.x_key], arrays[self.y_key]
+    def _read(self, keys: list[str] | None) -> dict[str, np.ndarray]:
+        try:
+            if self.path.suffix == ".npy":
+                arrays = {"x": np.load(self.path, allow_pickle=False)}
+                if self.y_path is not None:
+                    require(Path(self.y_path).is_file(), "y_path", self.y_path, "an existing .npy file of labels")
+                    arrays["y"] = np.load(self.y_path, allow_pickle=False)
+            else:
+                with np.load(self.path, allow_pickle=False) as npz:
+                    arrays = {name: npz[name] for name in npz.files}
+        except ConfigError:
+            raise
+        except Exception as err:  # a damaged file, a pickle, not numpy at all: all the same to a user
+            raise ConfigError(
+                "path", str(self.path), "a .npz (np.savez) or .npy file of numeric arrays", f"cannot read it: {err}"
+            ) from None
+        require(len(arrays) > 0, "path", str(self.path), "a .npz holding at least one array", "it holds none")
+        if keys is not None:
+            missing = [k for k in keys if k not in arrays]
+            require(not missing, "keys", list(keys), f"names of the file's arrays: {sorted(arrays)}", f"no {missing}")
+            arrays = {k: arrays[k] for k in keys}
+        return arrays
 
     def load(self) -> dict[str, torch.Tensor]:
-        x, y = self._arrays()
-        return {
-            "x": torch.as_tensor(np.asarray(x), dtype=torch.float32).flatten(1),
-            "y": torch.as_tensor(np.asarray(y), dtype=torch.long),
-        }
+        return self.arrays

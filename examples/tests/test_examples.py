@@ -1,0 +1,189 @@
+"""The example package as a user runs it and proves it: nothing here comes from multiloss's own tests.
+
+Each example trains through ``python train.py --config-dir examples/configs ...`` (a subprocess, as
+from a shell), writes a checkpoint that loads with ``weights_only=True`` and rebuilds with
+``<Recipe>.load_from_checkpoint(path)``, and has its gradients proven with `multiloss.testing`
+against a plain-PyTorch reference on the user's own network.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mypkg.data import write_all
+
+from multiloss import testing, train
+from recipes.accumulation import Accumulation
+from recipes.gan import GAN
+from recipes.multihead import MultiHead
+from recipes.tbptt import TruncatedBPTT
+from recipes.weighted import WeightedMultiTask
+
+EXAMPLES = Path(__file__).resolve().parents[1]
+ROOT = EXAMPLES.parent
+CONFIGS = EXAMPLES / "configs"
+NOTES = EXAMPLES / "data" / "notes.txt"
+
+# name -> (the command line's choices, the loss columns its metrics.csv must hold)
+RUNS = {
+    "cnn_multihead": (("recipe=multihead", "net=two_head_cnn"), {"loss/head0", "loss/head1", "val/acc"}),
+    "shapes_weighted": (
+        ("recipe=weighted", "net=shapes_net", "tasks=shapes", "data=npz", "data.path={shapes}"),
+        {"loss/shape", "loss/big", "loss/area", "loss/total", "val/acc/shape", "val/acc/big", "val/mae/area"},
+    ),
+    "residual_gan": (("recipe=gan", "generator=residual", "discriminator=residual"), {"loss/d", "loss/g", "val/modes"}),
+    "gru_tbptt": (
+        ("recipe=tbptt", "net=gru", "data=text", f"data.path={NOTES}", "data.seq_len=64", "data.batch_size=8"),
+        {"loss/ce", "val/bpc"},
+    ),
+    "moons_accumulation": (
+        ("recipe=accumulation", "net=small_mlp", "data=npz", "data.path={moons}", "data.batch_size=16"),
+        {"loss/total", "val/acc"},
+    ),
+}
+RECIPES = {
+    "multihead": MultiHead,
+    "weighted": WeightedMultiTask,
+    "gan": GAN,
+    "tbptt": TruncatedBPTT,
+    "accumulation": Accumulation,
+}
+SHORT = (
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=8",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    """The example's .npz files, written by its own script (`python -m mypkg.data DIR`)."""
+    return write_all(tmp_path_factory.mktemp("data"))
+
+
+def _choices(name: str, data: dict[str, Path]) -> list[str]:
+    return [o.format(**data) for o in RUNS[name][0]]
+
+
+def _train_cli(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "PYTHONWARNINGS": "ignore"}
+    quiet = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false")
+    command = [sys.executable, str(ROOT / "train.py"), "--config-dir", str(CONFIGS), *quiet, *overrides]
+    return subprocess.run([*command, f"hydra.run.dir={out}"], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS)
+def test_example_trains_from_the_command_line_and_its_checkpoint_loads(name, data, tmp_path):
+    out = tmp_path / "run"
+    proc = _train_cli(out, *_choices(name, data), *SHORT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    with next(out.rglob("metrics.csv")).open(newline="") as f:
+        columns = set(next(csv.reader(f)))
+    assert RUNS[name][1] <= columns, columns
+
+    ckpt_path = out / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=True)  # configs, not modules, in the hyper-parameters
+    recipe = RECIPES[RUNS[name][0][0].removeprefix("recipe=")]
+    loaded = recipe.load_from_checkpoint(ckpt_path, map_location="cpu")  # no extra argument
+    for key, value in ckpt["state_dict"].items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert type(getattr(loaded, "net", getattr(loaded, "generator", None))).__module__ == "mypkg.nets"
+
+
+def _build(name: str, data: dict[str, Path], *overrides: str):
+    cfg = testing.compose(*_choices(name, data), *overrides, config_dir=CONFIGS)
+    return cfg, *testing.build(cfg)
+
+
+def test_cnn_multihead_summed_backward_equals_per_head_backwards(data):
+    _, datamodule, module = _build("cnn_multihead", data)
+    (grads,) = testing.step_gradients(module, datamodule)
+    batch = testing.first_batch(datamodule)
+    testing.assert_gradients_close(grads, testing.per_head_gradients(module.net, batch))
+
+
+def test_shapes_weighted_backward_equals_weighted_sum(data):
+    _, datamodule, module = _build("shapes_weighted", data, "model.tasks.big.weight=0.5")
+    (grads,) = testing.step_gradients(module, datamodule)
+    batch = testing.first_batch(datamodule)
+    expected = testing.weighted_sum_gradients(module.net, batch, module.tasks)
+    testing.assert_gradients_close(grads, expected)
+    assert grads["net.area.weight"].abs().sum() > 0 and batch["big"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("loss", ["wgan-gp", "nonsaturating"])
+def test_residual_gan_steps_equal_the_references(data, loss):
+    lr = 0.05
+    cfg, datamodule, module = _build(
+        "residual_gan",
+        data,
+        f"model.loss={loss}",
+        "model.n_critic=1",
+        "optimizer@model.d_optimizer=sgd",
+        f"model.d_optimizer.lr={lr}",
+        "data.batch_size=64",
+    )
+    d_step, g_step = testing.step_gradients(module, datamodule, steps=2)
+    real = testing.first_batch(datamodule)["x"]
+    (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, len(real), module.latent_dim, draws=2)
+    with torch.no_grad():
+        fake = module.generator(z)
+    d_grads = testing.discriminator_gradients(module.discriminator, real, fake, loss, module.gp_weight, eps)
+    testing.assert_gradients_close(d_step, d_grads)
+    stepped = testing.sgd_step(module.discriminator, d_grads, lr, prefix="discriminator.")
+    testing.assert_gradients_close(g_step, testing.generator_gradients(module.generator, stepped, z_g, loss))
+
+
+@pytest.mark.parametrize(("chunk", "every"), [(16, 1), (16, 2), (64, 1)])
+def test_gru_tbptt_equals_the_detach_loop(data, chunk, every):
+    lr = 0.1
+    _, datamodule, module = _build(
+        "gru_tbptt",
+        data,
+        "optimizer=sgd",
+        f"model.optimizer.lr={lr}",
+        "model.gradient_clip_val=null",
+        f"model.chunk_length={chunk}",
+        f"model.accumulate_grad_batches={every}",
+    )
+    n_steps = -(-(64 // chunk) // every)
+    captured = testing.step_gradients(module, datamodule, steps=n_steps)
+    batch = testing.first_batch(datamodule)
+    reference = testing.tbptt_gradients(module.net, batch, chunk, lr=lr, every=every)
+    assert len(captured) == len(reference) == n_steps
+    for got, want in zip(captured, reference):
+        testing.assert_gradients_close(got, want)
+    if chunk == 64:  # one chunk of the whole sequence: full BPTT
+        testing.assert_gradients_close(captured[0], testing.full_bptt_gradients(module.net, batch))
+
+
+def test_moons_accumulation_equals_one_big_batch(data):
+    _, datamodule, module = _build("moons_accumulation", data)
+    (grads,) = testing.step_gradients(module, datamodule, accumulate_grad_batches=4)
+    datamodule.setup("fit")
+    micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
+    whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
+    testing.assert_gradients_close(grads, testing.accumulated_gradients(module.net, micro))
+    testing.assert_gradients_close(grads, testing.one_batch_gradients(module.net, whole))
+
+
+def test_resume_with_user_components_is_exact(data, tmp_path):
+    """ckpt_path= with the user's GRU: 2 + 2 batches == 4 straight (the config is in the checkpoint)."""
+    common = (*_choices("gru_tbptt", data), "trainer.max_epochs=1", "trainer.limit_val_batches=0", "logger=none", "~callbacks.lr_monitor")
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    train(testing.compose(*common, "trainer.max_steps=8", config_dir=CONFIGS, output_dir=straight))
+    train(testing.compose(*common, "trainer.max_steps=4", config_dir=CONFIGS, output_dir=first))
+    ckpt = first / "checkpoints" / "last.ckpt"
+    train(testing.compose(*common, "trainer.max_steps=8", f"ckpt_path={ckpt}", config_dir=CONFIGS, output_dir=resumed))
+    a = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,141 @@
+"""Components chosen by config: build a network, a loss, a metric or an optimizer from its config.
+
+Recipes receive their networks, tasks and optimizers as *configs* (plain mappings with a
+``_target_``, what the ``net``, ``tasks`` and ``optimizer`` groups hold) and build them here. The
+configs, never the built objects, are what a recipe saves as hyper-parameters: a checkpoint then
+loads with ``torch.load(weights_only=True)``, and ``Recipe.load_from_checkpoint(path)`` rebuilds the
+module from the checkpoint alone. A ready object (an ``nn.Module``, an optimizer factory) is accepted
+too, for use from Python; it is then left out of the hyper-parameters.
+
+Every failure is a `ConfigError` under the component's key (``net``, ``tasks.digit.loss``), which
+`multiloss.train` reports under the recipe's node (``model.net``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import nn
+from torch.optim import Optimizer
+
+from multiloss.config import ConfigError, require
+
+OptimizerFactory = Callable[..., Optimizer]
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every OmegaConf container turned into plain dicts and lists (interpolations resolved).
+
+    Plain containers are what ``save_hyperparameters`` may store: a checkpoint holding an OmegaConf
+    object no longer loads with ``torch.load(weights_only=True)``.
+    """
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def is_config(value: Any) -> bool:
+    return isinstance(value, Mapping) and "_target_" in value
+
+
+def objects_given(**arguments: Any) -> list[str]:
+    """The names among ``arguments`` given as built objects rather than configs (left out of hyper-parameters)."""
+    return [name for name, value in arguments.items() if value is not None and not isinstance(value, Mapping | str)]
+
+
+def accepts(target: str, name: str) -> bool:
+    """Whether the class or function ``target`` names takes an argument ``name`` (or any keyword)."""
+    obj = get_object(target)
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _instantiate(spec: Mapping[str, Any], key: str, **kwargs: Any) -> Any:
+    target = spec.get("_target_")
+    require(isinstance(target, str), f"{key}._target_", target, "a dotted import path")
+    try:
+        get_object(target)
+    except Exception as err:
+        raise ConfigError(
+            f"{key}._target_", target, "an importable class or function", f"cannot import it ({err})"
+        ) from None
+    try:
+        return instantiate(spec, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        if isinstance(cause, ConfigError):
+            raise cause.under(key) from None
+        raise ConfigError(
+            key, target, f"arguments {target} accepts", f"building it failed: {type(cause).__name__}: {cause}"
+        ) from None
+
+
+def build_module(spec: Any, key: str, **passed: Any) -> nn.Module:
+    """The ``nn.Module`` a config describes (or ``spec`` itself when it already is one).
+
+    ``passed`` are arguments the recipe supplies (e.g. tbptt's ``vocab_size``): each goes to the
+    target only when the config leaves it out and the target accepts it.
+    """
+    if isinstance(spec, nn.Module):
+        return spec
+    require(is_config(spec), key, spec, "a config with a `_target_` (an option of its config group), or an nn.Module")
+    extra = {k: v for k, v in passed.items() if k not in spec and accepts(spec["_target_"], k)}
+    module = _instantiate(spec, key, **extra)
+    require(
+        isinstance(module, nn.Module),
+        f"{key}._target_",
+        spec["_target_"],
+        "a torch.nn.Module subclass",
+        f"it built a {type(module).__name__}",
+    )
+    return module
+
+
+def build_callable(spec: Any, key: str) -> Callable[..., Any]:
+    """A loss, metric or activation: a dotted path (function, or class built without arguments), or a config."""
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    if isinstance(spec, str):
+        try:
+            obj = get_object(spec)
+        except Exception as err:
+            raise ConfigError(key, spec, "the dotted path of a callable", f"cannot import it ({err})") from None
+        if inspect.isclass(obj):
+            obj = _instantiate({"_target_": spec}, key)
+    else:
+        require(is_config(spec), key, spec, "a dotted path (torch.nn.functional.mse_loss) or a config with `_target_`")
+        obj = _instantiate(spec, key)
+    require(callable(obj), key, spec, "something callable", f"it is a {type(obj).__name__}")
+    return obj
+
+
+def build_optimizer_factory(spec: Any, key: str) -> OptimizerFactory | None:
+    """``params -> Optimizer`` from a ``_partial_`` optimizer config (or a callable given as is); None stays None."""
+    if spec is None or (callable(spec) and not isinstance(spec, Mapping)):
+        return spec
+    require(
+        is_config(spec) and spec.get("_partial_", False),
+        key,
+        spec,
+        "an optimizer config with `_partial_: true` (an option of the optimizer group), or a callable",
+    )
+    return _instantiate(spec, key)
+
+
+def name_of(component: Any) -> str:
+    """How messages name a component: its config's ``_target_``, or the class of an object given as is."""
+    if is_config(component):
+        return str(component["_target_"])
+    return component if isinstance(component, str) else type(component).__qualname__

@@ -1,0 +1,366 @@
+"""Gradient proofs for any recipe module — the shipped ones and yours: capture, reference, compare.
+
+A proof runs the recipe's real training step under the real Lightning Trainer, captures every
+parameter's gradient just before each optimizer step (`step_gradients`), and compares it
+(`assert_gradients_close`) with an independent reference computed in plain PyTorch on the same
+network, the way the hand-written loops of the field notes compute it:
+
+- `per_head_gradients`: one ``backward(retain_graph=True)`` per head (multihead's summed backward);
+- `weighted_sum_gradients`: the backward of Σ wᵢ·lossᵢ (weighted's single ``grad_tensors`` backward);
+- `tbptt_gradients` / `full_bptt_gradients`: the ``repackage_hidden`` chunk loop, and one backward
+  through the whole sequence (tbptt with ``chunk_length == seq_len``);
+- `accumulated_gradients` / `one_batch_gradients`: k micro-batches of ``loss / k`` vs one batch of
+  k·b (accumulation);
+- `gan_noise`, `discriminator_gradients`, `generator_gradients`: the GAN's two steps.
+
+A proof of your own network, in your own tests::
+
+    from multiloss import testing
+
+    cfg = testing.compose("recipe=multihead", "net=my_cnn", "trainer.max_steps=1", config_dir="my_configs")
+    datamodule, module = testing.build(cfg)
+    (grads,) = testing.step_gradients(module, datamodule, steps=1)  # the recipe's own step
+    batch = testing.first_batch(datamodule)  # what that step saw: the order is a function of (seed, epoch)
+    expected = testing.per_head_gradients(module.net, batch, prefix="net.")
+    testing.assert_gradients_close(grads, expected)
+
+References never call recipe code: they take the network (an ``nn.Module``), a batch and the loss,
+work on a copy of the network and return ``{prefix + parameter name: gradient}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from lightning_utilities.core.apply_func import apply_to_collection
+from omegaconf import DictConfig, open_dict
+from torch import nn
+
+from multiloss.batches import as_dict
+from multiloss.training import build_data_and_model
+
+Gradients = dict[str, torch.Tensor | None]
+
+# The repository's Hydra tree (what `python train.py` composes).
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+# --- composing and building, as `python train.py` does ----------------------------------------------
+
+
+def compose(*overrides: str, config_dir: str | Path | None = None, output_dir: str | Path | None = None) -> DictConfig:
+    """The config ``python train.py [--config-dir config_dir] <overrides>`` composes, run dir ``output_dir``.
+
+    ``config_dir`` adds a directory of your own options (``net/my_cnn.yaml``, ...) to Hydra's search
+    path, as ``--config-dir`` does. ``output_dir`` defaults to a fresh temporary directory.
+    """
+    extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir is not None else []
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=[*extra, *overrides], return_hydra_config=True)
+    out = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="multiloss-"))
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(out)
+        cfg.hydra.job.num = 0
+    # ${hydra:runtime.output_dir} (paths.output_dir) resolves against this, as in a real run.
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg
+
+
+def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """The data module and the recipe module ``multiloss.train(cfg)`` would train (seeded by ``cfg.seed``)."""
+    return build_data_and_model(cfg)
+
+
+def first_batch(datamodule: L.LightningDataModule) -> dict[str, Any]:
+    """The first training batch (a dict, as the recipes see it) of a fresh training loader."""
+    datamodule.setup("fit")
+    return as_dict(next(iter(datamodule.train_dataloader())))
+
+
+# --- the recipe's own gradients ------------------------------------------------------------------------
+
+
+class GradientCapture(L.Callback):
+    """Copies every parameter's ``.grad`` just before each optimizer step, as Lightning computed it.
+
+    ``steps[i]`` maps parameter name -> gradient (None where the parameter got none) for the i-th
+    optimizer step, restricted to that optimizer's parameters; ``optimizer_index[i]`` says which of
+    ``trainer.optimizers`` stepped. Works under automatic and manual optimization alike.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[Gradients] = []
+        self.optimizer_index: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.steps.append(
+            {
+                name: (p.grad.detach().clone() if p.grad is not None else None)
+                for name, p in pl_module.named_parameters()
+                if id(p) in owned
+            }
+        )
+        self.optimizer_index.append(next(i for i, o in enumerate(trainer.optimizers) if o is optimizer))
+
+
+def step_gradients(
+    module: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    steps: int = 1,
+    callbacks: Sequence[L.Callback] = (),
+    **trainer_kwargs: Any,
+) -> list[Gradients]:
+    """The gradients of the module's first ``steps`` optimizer steps, from a real ``Trainer.fit``.
+
+    One CPU process, no validation, logging or checkpoints unless ``trainer_kwargs`` say otherwise.
+    Afterwards the module is put back at its initial weights (and buffers), the ones the first
+    gradient was taken at, so a reference can start from them.
+    """
+    initial = copy.deepcopy(module.state_dict())
+    capture = GradientCapture()
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "use_distributed_sampler": False,
+        **trainer_kwargs,
+    }
+    L.Trainer(callbacks=[capture, *callbacks], **settings).fit(module, datamodule=datamodule)
+    module.load_state_dict(initial)
+    return capture.steps
+
+
+def assert_gradients_close(
+    actual: Mapping[str, torch.Tensor | None],
+    expected: Mapping[str, torch.Tensor | None],
+    atol: float = 1e-6,
+    rtol: float = 1e-5,
+    names: Iterable[str] | None = None,
+) -> float:
+    """Assert two name -> tensor maps agree (None only where both are None); return the largest difference.
+
+    Compares every name of ``expected`` (or ``names``); fails on an empty comparison, so a proof
+    that compared nothing cannot pass.
+    """
+    keys = list(names) if names is not None else sorted(expected)
+    assert keys, "nothing to compare"
+    worst = 0.0
+    for k in keys:
+        assert k in actual, f"{k}: not in the captured gradients (names there: {sorted(actual)[:5]}...)"
+        a, e = actual[k], expected[k]
+        if e is None or a is None:
+            assert a is None and e is None, f"{k}: one gradient is None, the other is not"
+            continue
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+        worst = max(worst, (a - e).abs().max().item())
+    return worst
+
+
+# --- plain-PyTorch references --------------------------------------------------------------------------
+
+
+def _grads(net: nn.Module, prefix: str) -> Gradients:
+    return {f"{prefix}{n}": (p.grad.detach().clone() if p.grad is not None else None) for n, p in net.named_parameters()}
+
+
+def per_head_gradients(
+    net: nn.Module,
+    batch: Mapping[str, Any],
+    weights: Sequence[float] | None = None,
+    loss: Callable[..., torch.Tensor] = F.cross_entropy,
+    prefix: str = "net.",
+) -> Gradients:
+    """The seeds' multi-head loop: ``(wᵢ·loss(headᵢ, y)).backward(retain_graph=True)`` for each head in turn.
+
+    ``net(batch["x"])`` returns one output per head; gradients accumulate across the backwards.
+    """
+    net = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    outputs = net(batch["x"])
+    weights = [1.0] * len(outputs) if weights is None else list(weights)
+    for i, (w, out) in enumerate(zip(weights, outputs, strict=True)):
+        (w * loss(out, batch["y"])).backward(retain_graph=i < len(outputs) - 1)
+    return _grads(net, prefix)
+
+
+def _task_parts(task: Any) -> tuple[Callable[..., torch.Tensor], str, float]:
+    if isinstance(task, tuple | list):
+        loss, target, weight = task
+        return loss, target, float(weight)
+    return task.loss, task.target, float(task.weight)
+
+
+def weighted_sum_gradients(net: nn.Module, batch: Mapping[str, Any], tasks: Mapping[str, Any], prefix: str = "net.") -> Gradients:
+    """The backward of the scalar Σ wᵢ·lossᵢ, with lossᵢ = ``loss(net(x)[name], batch[target])``.
+
+    ``tasks`` maps each output name to ``(loss, target key, weight)`` (or to an object with those
+    attributes, such as a weighted recipe's ``module.tasks``).
+    """
+    net = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    outputs = net(batch["x"])
+    total = 0
+    for name, task in tasks.items():
+        loss, target, weight = _task_parts(task)
+        total = total + weight * loss(outputs[name], batch[target])
+    total.backward()
+    return _grads(net, prefix)
+
+
+def _detach(hidden: Any) -> Any:
+    return apply_to_collection(hidden, torch.Tensor, torch.Tensor.detach)
+
+
+def tbptt_gradients(
+    net: nn.Module,
+    batch: Mapping[str, Any],
+    chunk_length: int,
+    lr: float = 0.0,
+    every: int = 1,
+    clip: float | None = None,
+    prefix: str = "net.",
+) -> list[Gradients]:
+    """The hand-written TBPTT loop: per chunk forward, ``backward(loss / every)``, step, ``hidden.detach()``.
+
+    Chunks are cut by index (``x[:, s:s + chunk_length]``); every ``every`` chunks (and at the last)
+    the gradient is recorded, clipped by global norm to ``clip`` if given, and an SGD step of
+    ``lr`` is taken by hand. Returns the gradient of each step (what `step_gradients` captures from
+    the recipe with SGD at ``lr``).
+    """
+    net = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    x, y = batch["x"], batch["y"]
+    starts = list(range(0, x.shape[1], chunk_length))
+    hidden, steps = None, []
+    for i, s in enumerate(starts):
+        logits, hidden = net(x[:, s : s + chunk_length], hidden)
+        target = y[:, s : s + chunk_length]
+        (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) / every).backward()
+        if (i + 1) % every == 0 or i == len(starts) - 1:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            steps.append(_grads(net, prefix))
+            with torch.no_grad():
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p -= lr * p.grad
+            net.zero_grad(set_to_none=True)
+        hidden = _detach(hidden)
+    return steps
+
+
+def full_bptt_gradients(net: nn.Module, batch: Mapping[str, Any], prefix: str = "net.") -> Gradients:
+    """One backward through the whole sequence: the gradient truncated BPTT approximates."""
+    net = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    logits, _ = net(batch["x"], None)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["y"].reshape(-1)).backward()
+    return _grads(net, prefix)
+
+
+def accumulated_gradients(
+    net: nn.Module,
+    micro_batches: Sequence[Mapping[str, Any]],
+    loss: Callable[..., torch.Tensor] = F.cross_entropy,
+    prefix: str = "net.",
+) -> Gradients:
+    """The seeds' accumulation loop: ``(loss(net(x), y) / k).backward()`` on each of k micro-batches."""
+    net = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    for micro in micro_batches:
+        (loss(net(micro["x"]), micro["y"]) / len(micro_batches)).backward()
+    return _grads(net, prefix)
+
+
+def one_batch_gradients(
+    net: nn.Module, batch: Mapping[str, Any], loss: Callable[..., torch.Tensor] = F.cross_entropy, prefix: str = "net."
+) -> Gradients:
+    """One backward of the mean loss over the whole batch."""
+    return accumulated_gradients(net, [batch], loss, prefix)
+
+
+def gan_noise(seed: int, n: int, latent_dim: int, draws: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The GAN recipe's training noise, drawn independently of it: ``draws`` pairs (z, ε) of ``n`` rows each.
+
+    The recipe draws from its own generator seeded with ``model.noise_seed`` (the run's ``seed``),
+    one row of ``latent_dim + 1`` standard normals per sample for each micro-batch it trains (a
+    discriminator micro-batch, then each generator micro-batch): z is the row's first
+    ``latent_dim`` values, ε = Φ(last value) the interpolation weight of the gradient penalty.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(draws):
+        rows = torch.randn(n, latent_dim + 1, generator=gen)
+        out.append((rows[:, :latent_dim], 0.5 * (1 + torch.erf(rows[:, latent_dim:] / math.sqrt(2)))))
+    return out
+
+
+def discriminator_gradients(
+    discriminator: nn.Module,
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    loss: str = "nonsaturating",
+    gp_weight: float = 0.0,
+    eps: torch.Tensor | None = None,
+    prefix: str = "discriminator.",
+) -> Gradients:
+    """D's step on detached fakes: −log σ(D(x)) − log(1 − σ(D(G(z)))) or D(G(z)) − D(x), + λ·(‖∇D(x̂)‖ − 1)²."""
+    D = copy.deepcopy(discriminator)
+    D.zero_grad(set_to_none=True)
+    fake = fake.detach()
+    if loss == "wgan-gp":
+        total = D(fake).mean() - D(real).mean()
+    else:
+        total = -torch.log(torch.sigmoid(D(real))).mean() - torch.log(1 - torch.sigmoid(D(fake))).mean()
+    if gp_weight:
+        assert eps is not None, "the gradient penalty needs ε"
+        e = eps.reshape(-1, *[1] * (real.dim() - 1))
+        x_hat = (e * real + (1 - e) * fake).requires_grad_(True)
+        scores = D(x_hat)
+        (grad,) = torch.autograd.grad(scores, x_hat, grad_outputs=torch.ones_like(scores), create_graph=True)
+        total = total + gp_weight * ((grad.reshape(len(grad), -1).pow(2).sum(dim=1).sqrt() - 1) ** 2).mean()
+    total.backward()
+    return _grads(D, prefix)
+
+
+def generator_gradients(
+    generator: nn.Module, discriminator: nn.Module, z: torch.Tensor, loss: str = "nonsaturating", prefix: str = "generator."
+) -> Gradients:
+    """G's step through D (whose weights get no gradient): −log σ(D(G(z))), or −D(G(z)) for WGAN."""
+    G = copy.deepcopy(generator)
+    D = copy.deepcopy(discriminator).requires_grad_(False)
+    G.zero_grad(set_to_none=True)
+    scores = D(G(z))
+    (-scores.mean() if loss == "wgan-gp" else -torch.log(torch.sigmoid(scores)).mean()).backward()
+    return _grads(G, prefix)
+
+
+def sgd_step(net: nn.Module, gradients: Mapping[str, torch.Tensor | None], lr: float, prefix: str = "") -> nn.Module:
+    """A copy of ``net`` after one plain SGD step ``w -= lr·g`` with ``gradients`` (named with ``prefix``)."""
+    net = copy.deepcopy(net)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            g = gradients.get(f"{prefix}{n}")
+            if g is not None:
+                p -= lr * g
+    return net
