@@ -107,7 +107,7 @@ class Accumulation(Recipe):
             "model.net", net, F.cross_entropy, logits, batch["y"], given=f"logits {describe_output(logits)}; {given}"
         )
         if self.val_acc is None or self.val_acc.num_classes != logits.shape[1]:
-            self.val_acc = MulticlassAccuracy(logits.shape[1], average="micro").to(self.device)
+            self.val_acc = MulticlassAccuracy(logits.shape[1], average="micro").to(logits.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

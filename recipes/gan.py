@@ -238,7 +238,8 @@ class GAN(Recipe):
     def check_components(self, batch: dict[str, Any]) -> None:
         require_keys(batch, ("x",), "the real samples")
         real = batch["x"]
-        z = torch.randn(len(real), self.latent_dim, generator=torch.Generator().manual_seed(0)).to(self.device)
+        # On the data's device: at setup Lightning reports the target device while the weights are still on the CPU.
+        z = torch.randn(len(real), self.latent_dim, generator=torch.Generator().manual_seed(0)).to(real.device)
         gen, critic = self.component_name("generator"), self.component_name("discriminator")
         fake = call_component("model.generator", gen, self.generator, z, given=f"z: {describe_output(z)}")
         if not isinstance(fake, torch.Tensor) or fake.shape != real.shape:

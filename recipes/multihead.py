@@ -104,7 +104,7 @@ class MultiHead(Recipe):
         )
         if len(self.val_acc) != n:
             classes = [logits.shape[1] for logits in outputs]
-            self.val_acc = nn.ModuleList(MulticlassAccuracy(c, average="micro") for c in classes).to(self.device)
+            self.val_acc = nn.ModuleList(MulticlassAccuracy(c, average="micro") for c in classes).to(outputs[0].device)
 
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each head's cross-entropy and their weighted sum ``total`` (the one tensor we backward)."""

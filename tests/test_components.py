@@ -137,3 +137,12 @@ def test_a_bad_component_config_names_its_key(make_cfg, tmp_path, override, key,
     assert err.value.key == key
     assert said in err.value.message
     assert not (tmp_path / ".hydra").exists()
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_the_check_runs_on_the_weights_and_inputs_of_each_precision(make_cfg, tmp_path, precision):
+    """At setup the weights are still float32 whatever the precision (Lightning converts them later), and a
+    batch reaching a step is already converted: the check must judge neither as a broken component."""
+    small = ("recipe=accumulation", "model.net.width=16", "trainer.max_steps=2", "trainer.limit_val_batches=1")
+    train(make_cfg(*small, "trainer.accelerator=cpu", f"trainer.precision={precision}", output_dir=tmp_path))
+    assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 2

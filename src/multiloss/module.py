@@ -72,12 +72,14 @@ class Recipe(L.LightningModule):
 
     def run_component_check(self, batch: Any) -> None:
         """`check_components` on two examples of ``batch``; weights, BatchNorm statistics and RNGs stay as they were."""
+        # As given: at setup the weights are still float32 (a "bf16-true" Trainer converts them later),
+        # and a batch reaching a step has already been converted by Lightning's loop.
         batch = take(as_dict(batch), 2)
-        if self._trainer is not None:  # bf16-true / 16-true: the inputs the steps will see
-            batch = self.trainer.precision_plugin.convert_input(batch)
         was_training = self.training
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        # The batch's device, not self.device: at setup Lightning already reports the target device
+        # while the weights (and the probe batch) are still on the CPU.
+        cuda = {v.device for v in batch.values() if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
+        with torch.random.fork_rng(devices=sorted(cuda, key=str)), torch.no_grad():
             self.eval()
             try:
                 self.check_components(batch)

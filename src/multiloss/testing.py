@@ -180,7 +180,7 @@ def assert_gradients_close(
 
 
 def _grads(net: nn.Module, prefix: str) -> Gradients:
-    return {f"{prefix}{n}": (p.grad.detach().clone() if p.grad is not None else None) for n, p in net.named_parameters()}
+    return {f"{prefix}{n}": None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
 
 
 def per_head_gradients(
@@ -210,7 +210,9 @@ def _task_parts(task: Any) -> tuple[Callable[..., torch.Tensor], str, float]:
     return task.loss, task.target, float(task.weight)
 
 
-def weighted_sum_gradients(net: nn.Module, batch: Mapping[str, Any], tasks: Mapping[str, Any], prefix: str = "net.") -> Gradients:
+def weighted_sum_gradients(
+    net: nn.Module, batch: Mapping[str, Any], tasks: Mapping[str, Any], prefix: str = "net."
+) -> Gradients:
     """The backward of the scalar Σ wᵢ·lossᵢ, with lossᵢ = ``loss(net(x)[name], batch[target])``.
 
     ``tasks`` maps each output name to ``(loss, target key, weight)`` (or to an object with those
@@ -344,7 +346,11 @@ def discriminator_gradients(
 
 
 def generator_gradients(
-    generator: nn.Module, discriminator: nn.Module, z: torch.Tensor, loss: str = "nonsaturating", prefix: str = "generator."
+    generator: nn.Module,
+    discriminator: nn.Module,
+    z: torch.Tensor,
+    loss: str = "nonsaturating",
+    prefix: str = "generator.",
 ) -> Gradients:
     """G's step through D (whose weights get no gradient): −log σ(D(G(z))), or −D(G(z)) for WGAN."""
     G = copy.deepcopy(generator)
