@@ -28,6 +28,7 @@ dw = 9 through the same function, and shows a zero weight leaves its head with a
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,13 @@ class WeightedMultiTask(Recipe):
                 )
             pair = f"output {describe_output(outputs[name])}, target {describe_output(batch[task.target])}"
             spec = self.hparams.tasks[name]
-            loss = call_component(
-                f"{key}.loss", name_of(spec["loss"]), task.loss, outputs[name], batch[task.target], given=pair
-            )
+            with warnings.catch_warnings():
+                # torch's mse/l1 losses only warn when output and target shapes differ, then broadcast
+                # (B, 1) against (B,) into a (B, B) loss: a silent wrong gradient, so an error here.
+                warnings.filterwarnings("error", message=".*target size.*different to the input size.*")
+                loss = call_component(
+                    f"{key}.loss", name_of(spec["loss"]), task.loss, outputs[name], batch[task.target], given=pair
+                )
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
                 raise ConfigError(
                     f"{key}.loss",

@@ -63,6 +63,8 @@ BAD_INPUTS = [
     ("+model.bogus=1", ["model.bogus", "unknown key", "head_weights"]),  # unknown key, with what is accepted
     ("+trainer.max_stepz=10", ["trainer.max_stepz", "did you mean max_steps"]),
     ("model.head_weights=[1,2]", ["model.head_weights", "[1.0, 2.0]", "3 numbers"]),  # mismatched length
+    # A component that breaks its contract, found by running it on the data at setup.
+    ("model.net.num_classes=1", ["model.net", "DeepSupervisionMLP", "out of bounds"]),
     ("recipe=nope", ["recipe/nope", "multihead"]),  # unknown recipe, with the available ones
     ("ckpt_path=/no/such.ckpt", ["ckpt_path", "/no/such.ckpt", "no such file"]),
     (f"trainer.accelerator={MISSING}", ["trainer.accelerator", MISSING, "cpu"]),  # hardware this machine lacks

@@ -72,3 +72,16 @@ def test_the_default_composes_to_the_multihead_recipe(make_cfg):
     assert cfg.model.net._target_ == "multiloss.nets.DeepSupervisionMLP"
     assert cfg.model.optimizer._partial_ is True
     assert cfg.trainer.use_distributed_sampler is False
+
+
+def test_a_component_option_selects_the_whole_node(tmp_path):
+    """`net=<option>` replaces model.net whole: no key of the recipe's default is left over, and a user's
+    option from --config-dir composes exactly as written."""
+    examples = ROOT / "examples" / "configs"
+    cfg = testing.compose("recipe=multihead", "net=two_head_cnn", config_dir=examples, output_dir=tmp_path)
+    assert set(cfg.model.net) == {"_target_", "num_classes", "channels"}
+    cfg = testing.compose("recipe=gan", "generator=residual", config_dir=examples, output_dir=tmp_path)
+    assert set(cfg.model.generator) == {"_target_", "latent_dim", "data_dim", "width", "blocks"}
+    assert set(cfg.model.discriminator) == {"_target_", "in_features", "out_features", "width", "depth"}  # default
+    cfg = testing.compose("recipe=weighted", "tasks=shapes", config_dir=examples, output_dir=tmp_path)
+    assert set(cfg.model.tasks) == {"shape", "big", "area"}

@@ -195,6 +195,8 @@ def test_rejects_bad_tasks(make_cfg, tmp_path, overrides, key, problem):
             "reduction='none'",
         ),
         (("model.tasks.digit.target=ink",), "model.tasks.digit.loss", "it failed"),  # CE on float targets of (2,)
+        # (2, 2) outputs against (2,) targets: MSE would broadcast them silently into a (2, 2) loss.
+        (("model.net.heads.ink=2",), "model.tasks.ink.loss", "different to the input size"),
     ],
 )
 def test_components_that_break_the_contract_are_rejected_before_any_write(make_cfg, tmp_path, overrides, key, said):
