@@ -94,6 +94,8 @@ class MultiHead(Recipe):
                 batch["y"],
                 given=f"head {i}: {describe_output(logits)}; {given}",
             )
+        for logits in outputs:
+            self.check_class_labels(logits.shape[1])
         n = len(outputs)
         require(
             self.head_weights is None or len(self.head_weights) == n,

@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import CONFIG_DIR, run_cli
 
+QUICK_CLI = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false")
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
 # An accelerator this machine does not have (asked of the machine: the suite runs with and without a GPU).
 MISSING = "tpu" if torch.cuda.is_available() or torch.backends.mps.is_available() else "gpu"
@@ -62,6 +63,9 @@ BAD_INPUTS = [
     ("data.batch_size=0", ["data.batch_size=0", "≥ 1"]),  # impossible value
     ("+model.bogus=1", ["model.bogus", "unknown key", "head_weights"]),  # unknown key, with what is accepted
     ("+trainer.max_stepz=10", ["trainer.max_stepz", "did you mean max_steps"]),
+    ("+sed=3", ["sed=3", "unknown key", "did you mean seed"]),  # a top-level key nothing reads
+    ("model.optimizer.lr=-1", ["model.optimizer.lr=-1", "rejected by the optimizer"]),  # torch's own check, early
+    ("model.optimizer.weight_decay=-1", ["model.optimizer.weight_decay", "weight_decay"]),
     ("model.head_weights=[1,2]", ["model.head_weights", "[1.0, 2.0]", "3 numbers"]),  # mismatched length
     # A component that breaks its contract, found by running it on the data at setup.
     ("model.net.num_classes=1", ["model.net", "DeepSupervisionMLP", "out of bounds"]),
@@ -88,3 +92,13 @@ def test_bad_input_is_rejected_cleanly_and_leaves_earlier_results(finished_run, 
     after = _digest(out)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing overwritten
     assert not [k for k in after if k not in before and not k.endswith(".log")]  # nothing new but the job log
+
+
+def test_a_sweep_runs_without_naming_its_sweep_dir(tmp_path):
+    """The README's `python train.py -m recipe=multihead seed=1,2`, as written: one run dir per job."""
+    proc = run_cli("-m", "recipe=multihead", "seed=1,2", "trainer.max_steps=2", *QUICK_CLI, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "multirun" / "multihead").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    for job in ("0", "1"):
+        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()

@@ -146,3 +146,27 @@ def test_the_check_runs_on_the_weights_and_inputs_of_each_precision(make_cfg, tm
     small = ("recipe=accumulation", "model.net.width=16", "trainer.max_steps=2", "trainer.limit_val_batches=1")
     train(make_cfg(*small, "trainer.accelerator=cpu", f"trainer.precision={precision}", output_dir=tmp_path))
     assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 2
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "accumulation"])
+def test_labels_beyond_the_nets_classes_are_rejected_before_any_write(make_cfg, tmp_path, recipe):
+    """Two examples (the probe) would not see it: every label of the in-memory data is checked."""
+    import numpy as np
+
+    y = np.arange(200) % 10
+    y[150] = 12  # one bad label, deep in the file
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).random((200, 64)).astype(np.float32), y=y)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="labels out of range") as err:
+        train(make_cfg(f"recipe={recipe}", "data=npz", f"data.path={tmp_path / 'd.npz'}", output_dir=out))
+    assert err.value.key == "data" and "0..12" in err.value.message and "0..9" in err.value.message
+    assert not (out / ".hydra").exists()
+
+
+def test_ddp_spawn_is_refused_by_name(make_cfg, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        train(
+            make_cfg("trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp_spawn", output_dir=tmp_path)
+        )
+    assert err.value.key == "trainer.strategy" and "spawn" in err.value.message
+    assert not (tmp_path / ".hydra").exists()

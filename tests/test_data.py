@@ -138,6 +138,8 @@ def test_npz_rejects_bad_settings_by_name(tmp_path, kwargs, key):
         ({"x": np.zeros((0, 2))}, "empty"),
         ({"x": np.zeros((4, 2)), "name": np.array(["a", "b", "c", "d"])}, "not a numeric array"),
         ({"x": np.array([{"a": 1}] * 4, dtype=object)}, "cannot read it"),  # a pickle: never loaded
+        ({"x": np.array([[0.0, np.nan], [1.0, 2.0]])}, "1 NaN/inf value"),
+        ({"x": np.zeros((2, 2)), "w": np.array([1.0, np.inf])}, "'w' holds 1 NaN/inf"),
     ],
 )
 def test_npz_rejects_bad_files(tmp_path, arrays, said):

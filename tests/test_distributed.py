@@ -268,3 +268,19 @@ def test_slurm_launcher_config_composes():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+
+
+def test_two_devices_with_strategy_auto_run_multiloss_ddp(tmp_path):
+    """`trainer.devices=2` alone (strategy auto) picks DDP: the GAN then needs multiloss's per-network
+    wrappers, which stock Lightning DDP lacks (its unused-parameters error)."""
+    out = _train(
+        tmp_path / "auto",
+        "recipe=gan",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=4",
+        "trainer.limit_val_batches=1",
+        "model.n_plot_samples=0",
+        *_counter(tmp_path / "auto"),
+    )
+    assert all(c["allreduces"] == c["optimizer_steps"] > 0 for c in _counts(out))

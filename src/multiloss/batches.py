@@ -81,3 +81,14 @@ def require_keys(batch: Mapping[str, Any], needed: Sequence[str], why: str) -> N
             f"batches with {', '.join(map(repr, needed))} ({why}); an (x, y) tuple gives 'x' and 'y'",
             f"no {', '.join(map(repr, missing))} in the batch",
         )
+
+
+def dataset_tensors(datamodule: Any, key: str) -> list[torch.Tensor]:
+    """The whole training and validation tensors of batch key ``key``, where the data module holds them
+    in memory (multiloss's own data modules: ``StackDataset``s of named tensors); else nothing."""
+    found = []
+    for name in ("train_set", "val_set"):
+        datasets = getattr(getattr(datamodule, name, None), "datasets", None)
+        if isinstance(datasets, dict) and isinstance(datasets.get(key), torch.Tensor):
+            found.append(datasets[key])
+    return found

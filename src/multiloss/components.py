@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -131,7 +132,26 @@ def build_optimizer_factory(spec: Any, key: str) -> OptimizerFactory | None:
         spec,
         "an optimizer config with `_partial_: true` (an option of the optimizer group), or a callable",
     )
-    return _instantiate(spec, key)
+    factory = _instantiate(spec, key)
+    # The optimizer's own argument checks (lr < 0, nan, weight_decay < 0, betas outside [0, 1)) run
+    # now, on a stand-in parameter, instead of inside fit after the run dir was written.
+    try:
+        factory([torch.nn.Parameter(torch.zeros(1))])
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        named = [k for k in spec if not k.startswith("_") and (k in text or _ALIASES.get(k, "\0") in text)]
+        arg = named[0] if named else None
+        raise ConfigError(
+            f"{key}.{arg}" if arg else key,
+            spec.get(arg) if arg else spec["_target_"],
+            f"a value {spec['_target_']} accepts ({text})",
+            "rejected by the optimizer",
+        ) from None
+    return factory
+
+
+# How torch's optimizers name their arguments in their error messages.
+_ALIASES = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
 
 
 def name_of(component: Any) -> str:

@@ -12,7 +12,8 @@
    `synced` where its gradients must be averaged across ranks: each backward then reaches exactly
    the parameters its wrapper expects.
 
-``trainer.strategy=ddp`` (the Lightning name) is built as this strategy by `multiloss.train`.
+Every configuration that ends in Lightning's DDP (``trainer.strategy=ddp``, a DDP alias, or ``auto``
+with several devices) is built as this strategy by `multiloss.train` (`multiloss_ddp`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from multiloss.config import ConfigError
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
 
@@ -157,9 +160,32 @@ class DDPStrategy(LightningDDPStrategy):
             self._launcher.finish()
 
 
-def resolve_strategy(strategy: Any) -> dict[str, Any]:
-    """Trainer kwargs that build ``strategy="ddp"`` (Lightning's name) as multiloss's `DDPStrategy`.
+def multiloss_ddp(trainer: L.Trainer, requested: Any) -> DDPStrategy | None:
+    """multiloss's `DDPStrategy` in place of the Lightning one ``trainer`` picked; None if it picked another.
 
-    Empty for anything else, which Lightning (or Hydra, for a ``_target_`` node) builds as given.
+    Whatever ends in Lightning's DDP — ``strategy=ddp``, an alias such as
+    ``ddp_find_unused_parameters_true``, or ``auto`` with ``devices`` > 1 — gets multiloss's, with the
+    same DDP arguments (a ``_target_`` node naming a strategy class is built as given). Spawned or forked processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``)
+    cannot resolve the run dir's Hydra interpolations and are refused by name.
+
+    Raises:
+        ConfigError: a DDP strategy that starts its processes other than as scripts.
     """
-    return {"strategy": DDPStrategy()} if strategy == "ddp" else {}
+    strategy = trainer.strategy
+    # A strategy given as a `_target_` node is the user's deliberate choice, Lightning's own class included.
+    if type(strategy) is not LightningDDPStrategy or not isinstance(requested, str):
+        return None
+    # Lightning keeps its constructor arguments private; these four are all its __init__ stores.
+    if strategy._start_method != "popen":
+        raise ConfigError(
+            "trainer.strategy",
+            requested,
+            "ddp (or trainer=ddp / trainer=ddp_cpu): processes started as scripts, one Hydra job each",
+            f"its processes are started by {strategy._start_method}, which cannot rebuild a Hydra run "
+            "(the run dir's ${hydra:...} interpolations do not resolve there)",
+        )
+    return DDPStrategy(
+        process_group_backend=strategy._process_group_backend,
+        timeout=strategy._timeout,
+        **strategy._ddp_kwargs,
+    )

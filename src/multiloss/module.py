@@ -17,9 +17,9 @@ import lightning as L
 import torch
 from torch.optim import Optimizer
 
-from multiloss.batches import as_dict, probe_batch, take
+from multiloss.batches import as_dict, dataset_tensors, probe_batch, take
 from multiloss.components import OptimizerFactory, name_of
-from multiloss.config import ConfigError
+from multiloss.config import ConfigError, require
 from multiloss.metrics import EpochMeans
 
 
@@ -86,6 +86,22 @@ class Recipe(L.LightningModule):
             finally:
                 self.train(was_training)
         self._components_checked = True
+
+    def check_class_labels(self, classes: int, key: str = "y") -> None:
+        """Every integer label of the data in [0, ``classes``): all of it, where the data module holds it in
+        memory (the component check sees only two examples)."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        for labels in dataset_tensors(datamodule, key):
+            if labels.is_floating_point() or labels.numel() == 0:
+                continue
+            low, high = int(labels.min()), int(labels.max())
+            require(
+                low >= 0 and high < classes,
+                "data",
+                f"<labels {low}..{high} in {key!r}>",
+                f"class ids 0..{classes - 1}: the net gives {classes} logits (model.net)",
+                "labels out of range",
+            )
 
     def component_name(self, key: str) -> str:
         """The ``_target_`` of component ``key`` (or the class of one given as an object), for messages."""

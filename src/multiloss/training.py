@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from multiloss.callbacks import RngState
 from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
-from multiloss.distributed import resolve_strategy
+from multiloss.distributed import multiloss_ddp
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -31,15 +31,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     callbacks += [RngState(), RunRecord(cfg)]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
-    # Lightning's name "ddp" is built as multiloss's DDPStrategy (Hydra-job children, one wrapper
-    # per network for multi-optimizer recipes); everything else goes to Lightning as given.
-    trainer: L.Trainer = _build(
-        "trainer",
-        cfg.trainer,
-        callbacks=callbacks,
-        logger=loggers or False,
-        **resolve_strategy(cfg.trainer.get("strategy")),
-    )
+    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
+    # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
+    if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
+        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp)
     # Settings only the recipe can judge against the built Trainer (e.g. trainer.gradient_clip_val
     # under manual optimization): rejected here, before any file is written.
     if callable(check := getattr(model, "check_trainer", None)):

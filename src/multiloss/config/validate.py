@@ -9,6 +9,7 @@ business: recipes and data modules raise `ConfigError` from their ``__init__``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import types
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from typeguard import CollectionCheckStrategy, TypeCheckError, check_type
 
 from multiloss.config.errors import ConfigError, require
-from multiloss.config.schema import COMPONENT_GROUPS
+from multiloss.config.schema import COMPONENT_GROUPS, TrainSchema
 
 # Arguments that `train` passes itself when it instantiates a node, so the config must not set them.
 _PASSED_BY_TRAIN = {"lightning.pytorch.trainer.trainer.Trainer": {"callbacks", "logger"}}
@@ -30,6 +31,17 @@ _PASSED_BY_TRAIN = {"lightning.pytorch.trainer.trainer.Trainer": {"callbacks", "
 
 def check_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for the first problem found in ``cfg``; return quietly if there is none."""
+    known = {f.name for f in dataclasses.fields(TrainSchema)} | {"hydra"}
+    for key in cfg:
+        if key not in known:  # `+sed=3`: Hydra adds it, nothing would ever read it
+            close = difflib.get_close_matches(str(key), sorted(known - set(COMPONENT_GROUPS) - {"hydra"}), n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ConfigError(
+                str(key),
+                _plain(cfg, key),
+                f"{hint}top-level keys: {', '.join(sorted(known - set(COMPONENT_GROUPS) - {'hydra'}))}",
+                "unknown key",
+            )
     for group in COMPONENT_GROUPS:
         # An option file without its package header lands at the top level instead of under `model`.
         if cfg.get(group) is not None:

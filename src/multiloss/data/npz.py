@@ -72,6 +72,15 @@ class NpzDataModule(ArrayDataModule):
         for k in flatten:
             require(tensors[k].dim() >= 1, "flatten", k, "keys of arrays with an examples axis")
             tensors[k] = tensors[k].flatten(1) if tensors[k].dim() > 1 else tensors[k]
+        for k, v in tensors.items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad = int((~torch.isfinite(v)).sum())
+                raise ConfigError(
+                    "path",
+                    str(path),
+                    "finite numbers only (clean or drop the examples first)",
+                    f"array {k!r} holds {bad} NaN/inf value{'s' if bad > 1 else ''}",
+                )
         lengths = {k: len(v) if v.dim() > 0 else 0 for k, v in tensors.items()}
         require(
             len(set(lengths.values())) == 1,
