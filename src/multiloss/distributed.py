@@ -165,8 +165,9 @@ def multiloss_ddp(trainer: L.Trainer, requested: Any) -> DDPStrategy | None:
 
     Whatever ends in Lightning's DDP — ``strategy=ddp``, an alias such as
     ``ddp_find_unused_parameters_true``, or ``auto`` with ``devices`` > 1 — gets multiloss's, with the
-    same DDP arguments (a ``_target_`` node naming a strategy class is built as given). Spawned or forked processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``)
-    cannot resolve the run dir's Hydra interpolations and are refused by name.
+    same DDP arguments (a ``_target_`` node naming a strategy class is built as given). Spawned or
+    forked processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) cannot resolve the run dir's Hydra
+    interpolations and are refused by name.
 
     Raises:
         ConfigError: a DDP strategy that starts its processes other than as scripts.
