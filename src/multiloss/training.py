@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -13,9 +14,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from multiloss.callbacks import RngState
+from multiloss.checkpoints import AtomicCheckpointIO, verify_checkpoint
 from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
 from multiloss.distributed import multiloss_ddp
+from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -31,17 +34,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     callbacks += [RngState(), RunRecord(cfg)]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
-    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
+    plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
+    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
     # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
     # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
     if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
-        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp)
+        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
     # Settings only the recipe can judge against the built Trainer (e.g. trainer.gradient_clip_val
     # under manual optimization): rejected here, before any file is written.
     if callable(check := getattr(model, "check_trainer", None)):
         check(trainer)
+    if cfg.get("ckpt_path"):
+        verify_checkpoint(cfg.ckpt_path, model)
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 
@@ -66,22 +73,36 @@ def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.Ligh
 
 
 class RunRecord(L.Callback):
-    """Writes the run's ``.hydra/`` config copies, prints the config tree and logs it, at the start of fit.
+    """Claims the run dir, writes the run's ``.hydra/`` config copies, prints the config tree and logs it.
 
-    Not before: ``fit`` first runs the recipe's component check on a batch of the data (at setup)
-    and restores ``ckpt_path``; a run rejected there must leave an earlier run's files in the same
-    run dir untouched.
+    At the start of fit, not before: ``fit`` first runs the recipe's component check on a batch of
+    the data (at setup) and restores ``ckpt_path``; a run rejected there must leave an earlier run's
+    files untouched, and its message must be about the mistake, not about the dir. Rank zero claims
+    the dir (`multiloss.run_dir`: no other run's checkpoints unless resuming or ``overwrite``, a
+    lock while training); ranks started for this run share it.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        self.lock: Path | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            out = self.cfg.paths.output_dir
+            check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
+            self.lock = acquire_lock(out)
         save_run_config(self.cfg, self.cfg.paths.output_dir)
         if self.cfg.get("print_config", True):
             print_config_tree(self.cfg)
         for lg in trainer.loggers:
             lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        release_lock(self.lock)
+        self.lock = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
 
 
 def _build(path: str, node: DictConfig, **kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ class TrainSchema:
     seed: int = 0
     ckpt_path: str | None = None
     print_config: bool = True
+    overwrite: bool = False
     data: Any = MISSING
     model: Any = MISSING
     trainer: Any = MISSING

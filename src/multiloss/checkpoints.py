@@ -1,0 +1,127 @@
+"""Checkpoints you can trust: written atomically or not at all, read back only when intact and this run's.
+
+Lightning 2.6 writes a checkpoint through fsspec's transaction, whose temporary file may sit on
+another filesystem (a killed save then leaves a 0-byte file after the old one was removed), and it
+swallows a ``PermissionError`` while saving (``lightning.fabric.utilities.cloud_io._atomic_save``), so a
+run whose ``checkpoints/`` is not writable ends with exit 0 and no checkpoint. And ``torch.load``
+does not check the zip's CRCs: a checkpoint with a few bytes overwritten loads, and trains on
+garbage. Here:
+
+- `AtomicCheckpointIO` writes to a temporary file *beside* the target, fsyncs it and renames it
+  over the target (atomic on the destination filesystem): a checkpoint is the old one or the new
+  one, never half of either; a failed write raises `CheckpointWriteError`. It loads with
+  ``weights_only=True``, always.
+- `verify_checkpoint` runs before anything is written: the file is a readable, intact zip (every
+  member's CRC checked), loads with ``weights_only=True``, and holds this module's parameters with
+  this module's shapes; otherwise a `ConfigError` names ``ckpt_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from torch import nn
+
+from multiloss.config import ConfigError
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written: the run stops instead of going on without one."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with a same-directory temporary file, fsync and rename, and loud failures."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's own way
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target = Path(path)
+        tmp_name = None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, target)
+            tmp_name = None
+            _fsync_dir(target.parent)  # the rename itself survives a crash
+        except OSError as err:
+            raise CheckpointWriteError(f"could not write the checkpoint {target}: {err}") from err
+        finally:
+            if tmp_name is not None and os.path.exists(tmp_name):
+                os.remove(tmp_name)
+        return None
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        # Tensors, numbers, strings and containers only: no code from a checkpoint ever runs.
+        return super().load_checkpoint(
+            path, map_location=map_location or (lambda storage, loc: storage), weights_only=True
+        )
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory descriptors: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_checkpoint(path: str | Path, module: nn.Module) -> None:
+    """Raise `ConfigError` (key ``ckpt_path``) unless ``path`` is an intact checkpoint of ``module``'s shape."""
+    path = str(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # reads every member, checks its CRC
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ConfigError(
+            "ckpt_path", path, "a checkpoint file written by torch.save (a zip)", f"not a readable checkpoint: {err}"
+        ) from None
+    if damaged is not None:
+        raise ConfigError(
+            "ckpt_path", path, "an intact checkpoint", f"damaged: {damaged} fails its CRC check (a corrupted copy?)"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError(
+            "ckpt_path", path, "a checkpoint of tensors and plain values", f"cannot load it: {err}"
+        ) from None
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ConfigError("ckpt_path", path, "a Lightning checkpoint (with a state_dict)", "it has no state_dict")
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    reshaped = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or reshaped:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:3]}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+        if unexpected:
+            parts.append(
+                f"unknown {unexpected[:3]}" + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+            )
+        if reshaped:
+            parts.append(f"other shapes: {reshaped[:3]}")
+        raise ConfigError(
+            "ckpt_path",
+            path,
+            f"a checkpoint of this run's model ({type(module).__name__} with these components and sizes)",
+            "it belongs to another model: " + "; ".join(parts),
+        )

@@ -1,0 +1,75 @@
+"""A run dir belongs to one run: another run's checkpoints are not overwritten, and two live runs never share it.
+
+A second run started into a finished run dir would overwrite its ``.hydra/`` copies and plots and
+save ``last-v1.ckpt`` beside the old ``last.ckpt`` (so ``ckpt_path=<dir>/checkpoints/last.ckpt`` then
+resumes the *older* run); two live runs in one dir interleave their files. `claim_run_dir` refuses
+a dir holding checkpoints unless the run resumes from one of them (it continues that run) or
+``overwrite=true``, and holds a lock file while training; a lock left by a process that is gone
+(killed) is taken over.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from multiloss.config import ConfigError
+
+LOCK = ".multiloss.lock"
+
+
+def check_run_dir(output_dir: str | Path, ckpt_path: str | None, overwrite: bool) -> None:
+    """Raise `ConfigError` if ``output_dir`` holds another run's checkpoints (reads only; call it early)."""
+    checkpoints = Path(output_dir) / "checkpoints"
+    existing = sorted(checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
+    if not existing or overwrite:
+        return
+    resuming_here = ckpt_path is not None and Path(ckpt_path).resolve().parent == checkpoints.resolve()
+    if not resuming_here:
+        raise ConfigError(
+            "hydra.run.dir",
+            str(output_dir),
+            f"a new run dir (leave hydra.run.dir unset for a fresh one), ckpt_path={existing[-1]} to continue "
+            "the run that is there, or overwrite=true to train over it",
+            f"it holds another run's checkpoints ({', '.join(p.name for p in existing[:3])})",
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def acquire_lock(output_dir: str | Path) -> Path:
+    """Create ``<output_dir>/.multiloss.lock`` for this process; `ConfigError` if a live run holds it."""
+    path = Path(output_dir) / LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        owner = path.read_text().split() if path.exists() else []
+        host, pid = [*owner, "", "0"][:2]
+        if not (host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))):
+            raise ConfigError(
+                "hydra.run.dir",
+                str(output_dir),
+                f"a run dir no live run is using (if that run is gone, delete {path})",
+                f"the run {pid} on {host or 'another host'} is training in it",
+            ) from None
+        path.unlink(missing_ok=True)  # left by a run that was killed: take it over
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}")
+    return path
+
+
+def release_lock(path: Path | None) -> None:
+    """Remove a lock `acquire_lock` made (only this process's: a lock another run took over stays)."""
+    if path is not None and path.exists() and path.read_text().split()[-1:] == [str(os.getpid())]:
+        path.unlink(missing_ok=True)
