@@ -347,8 +347,8 @@ class GAN(Recipe):
             z, eps = self.noise(len(real))
             fake = self.generator(z).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
+            self.log_losses(d_losses, batch_size=len(real))  # before the step: the non-finite guard judges it
             backward(d_losses["d"])
-        self._log_train(d_losses, len(real))
 
         # Generator step after every n_critic-th D step. G's loss is built only now, through the D
         # that opt_d.step() has just updated in place, never through a graph from before the step.
@@ -358,12 +358,10 @@ class GAN(Recipe):
                 with self.accumulation.micro_batch(opt_g, index) as backward:
                     z, _ = self.noise(len(real))
                     g_loss = self.generator_loss(synced(self, "generator")(z))
+                    self.report_losses({"g": g_loss})
                     backward(g_loss)
                 g_losses.append(g_loss.detach())
-            self._log_train({"g": torch.stack(g_losses).mean()}, len(real))
-
-    def _log_train(self, losses: dict[str, torch.Tensor], batch_size: int) -> None:
-        self.log_dict({f"loss/{k}": v.detach() for k, v in losses.items()}, on_step=True, batch_size=batch_size)
+            self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real), report=False)
 
     # --- validation: losses and mode coverage on a fixed evaluation noise -----------------------
 

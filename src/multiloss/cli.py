@@ -6,6 +6,7 @@ import rich.console
 import rich.markup
 from omegaconf import DictConfig
 
+from multiloss.callbacks import NonFiniteError
 from multiloss.checkpoints import CheckpointWriteError
 from multiloss.config import ConfigError
 from multiloss.training import train
@@ -19,6 +20,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         console.print(f"[bold red]multiloss: config error:[/] {rich.markup.escape(err.message)}", soft_wrap=True)
         raise SystemExit(2) from None
-    except CheckpointWriteError as err:
+    except (CheckpointWriteError, NonFiniteError) as err:
         console.print(f"[bold red]multiloss: run stopped:[/] {rich.markup.escape(str(err))}", soft_wrap=True)
         raise SystemExit(1) from None

@@ -119,16 +119,35 @@ class Recipe(L.LightningModule):
             )
         return self.optimizer_factory(self.parameters())
 
-    def log_losses(self, losses: Mapping[str, torch.Tensor], prefix: str = "loss/", batch_size: int | None = None):
+    def report_losses(self, losses: Mapping[str, torch.Tensor]) -> None:
+        """Hand this training step's loss components to the non-finite guard (`log_losses` does it too).
+
+        Call it before the backward of a step whose losses are logged only after their optimizer
+        stepped (the GAN), so ``nonfinite=skip`` judges a step by its own losses.
+        """
+        guard = getattr(self, "_nonfinite_guard", None)
+        if guard is not None and self._trainer is not None:
+            guard.record_losses(dict(losses), self.trainer.global_step)
+
+    def log_losses(
+        self,
+        losses: Mapping[str, torch.Tensor],
+        prefix: str = "loss/",
+        batch_size: int | None = None,
+        report: bool = True,
+    ) -> None:
         """Log each component under its own name (``loss/head0``, ...) beside the total.
 
         Training values are logged per step (the curves; under DDP, rank zero's own micro-batch, as
         Lightning does without a collective per step); validation values per epoch, as the mean over
-        every rank's examples (`multiloss.metrics.EpochMeans`).
+        every rank's examples (`multiloss.metrics.EpochMeans`). Training values also go to the
+        non-finite guard (`report_losses`), unless ``report`` is false (already reported).
         """
         if not self.training:
             self.epoch_means.log(self, losses, prefix, batch_size or 1)
             return
+        if report:
+            self.report_losses(losses)
         self.log_dict(
             {f"{prefix}{name}": value.detach() for name, value in losses.items()},
             on_step=True,

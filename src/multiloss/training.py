@@ -13,7 +13,7 @@ from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from multiloss.callbacks import RngState
+from multiloss.callbacks import NonFiniteGuard, RngState
 from multiloss.checkpoints import AtomicCheckpointIO, verify_checkpoint
 from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
@@ -29,10 +29,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     check_config(cfg)
     datamodule, model = build_data_and_model(cfg)
-    # RngState is not optional: exact resume is part of the contract of `ckpt_path=`. RunRecord
-    # writes the run's config copies once fit() has checked the components on a batch of the data.
+    # Always there: RngState (exact resume is part of the contract of `ckpt_path=`), RunRecord (the
+    # run's config copies, once fit() has checked the components on a batch of the data), the
+    # non-finite guard (nothing NaN trains on silently or reaches a checkpoint).
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
-    callbacks += [RngState(), RunRecord(cfg)]
+    callbacks += [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop"))]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}

@@ -60,7 +60,7 @@ class NonFiniteGuard(L.Callback):
         first = self.first_bad.get(name)
         if first is None:
             first = self.first_bad[name] = torch.full((), -1, dtype=torch.long, device=value.device)
-        torch.where(bad & (first < 0), torch.full_like(first, step), first, out=first)
+        first.copy_(torch.where(bad & (first < 0), torch.full_like(first, step), first))
 
     # --- hooks -----------------------------------------------------------------------------------
 
@@ -86,8 +86,10 @@ class NonFiniteGuard(L.Callback):
                 self.skipped += 1
                 pl_module.log("nonfinite/skipped", float(self.skipped), on_step=True, on_epoch=False)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.mode == "stop" and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.mode == "stop" and (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
             self.check(trainer)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -106,14 +108,15 @@ class NonFiniteGuard(L.Callback):
             return
         names = list(self.first_bad)
         steps = torch.stack([self.first_bad[n].cpu() for n in names]).tolist()
-        found = sorted((s, n) for s, n in zip(steps, names) if s >= 0)
+        # Earliest step first; at one step the loss components before the gradients they caused.
+        found = sorted((s, n.startswith("gradient"), n) for s, n in zip(steps, names) if s >= 0)
         if not found:
             return
         step = found[0][0]
-        first = [n for s, n in found if s == step]
+        first = [n for s, _, n in found if s == step]
         last_good = _last_checkpoint(trainer)
         raise NonFiniteError(
-            f"{' and '.join(first)} became NaN/inf at optimizer step {step}; training stopped "
+            f"{' and '.join(first)} became NaN/inf at global step {step}; training stopped "
             f"(last good checkpoint: {last_good or 'none saved yet'}). Likely causes: a learning rate "
             "too high for this loss, an infinite or huge loss weight, NaN/inf in the data; "
             "nonfinite=skip skips such steps instead, debug=anomaly names the operation."

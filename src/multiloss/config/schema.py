@@ -25,6 +25,7 @@ class TrainSchema:
     ckpt_path: str | None = None
     print_config: bool = True
     overwrite: bool = False
+    nonfinite: str = "stop"
     data: Any = MISSING
     model: Any = MISSING
     trainer: Any = MISSING

@@ -51,6 +51,12 @@ def check_config(cfg: DictConfig) -> None:
                 f"an option file of the `{group}` group whose first line is `# @package model.{group}`",
                 "this option landed at the top level of the config, not under model",
             )
+    require(
+        cfg.get("nonfinite", "stop") in ("stop", "skip", "off"),
+        "nonfinite",
+        cfg.get("nonfinite"),
+        "stop (end the run, naming the component and the step), skip (drop such steps) or off",
+    )
     for key in ("data", "model", "trainer"):
         require(isinstance(cfg.get(key), DictConfig), key, cfg.get(key), "a config node with a `_target_`")
         check_node(cfg[key], key)
