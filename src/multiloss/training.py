@@ -13,11 +13,12 @@ from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from multiloss.callbacks import NonFiniteGuard, RngState
+from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, RngState
 from multiloss.checkpoints import AtomicCheckpointIO, verify_checkpoint
 from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
 from multiloss.distributed import multiloss_ddp
+from multiloss.pitfalls import explain
 from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
 
 
@@ -31,9 +32,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model = build_data_and_model(cfg)
     # Always there: RngState (exact resume is part of the contract of `ckpt_path=`), RunRecord (the
     # run's config copies, once fit() has checked the components on a batch of the data), the
-    # non-finite guard (nothing NaN trains on silently or reaches a checkpoint).
+    # non-finite guard (nothing NaN trains on silently or reaches a checkpoint), the graph-leak
+    # detector (a graph kept from step to step, over the first batches).
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
-    callbacks += [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop"))]
+    callbacks += [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
@@ -49,7 +51,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("ckpt_path"):
         verify_checkpoint(cfg.ckpt_path, model)
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+    except RuntimeError as err:
+        explain(err)  # an autograd pitfall gets its cause and fix under PyTorch's message
+        raise
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 

@@ -1,8 +1,17 @@
 """Lightning callbacks multiloss adds to every run or offers in ``configs/callbacks``."""
 
 from multiloss.callbacks.checkpoint import Checkpoint
+from multiloss.callbacks.leaks import GraphLeakDetector
 from multiloss.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from multiloss.callbacks.plots import LossCurves, read_metrics
 from multiloss.callbacks.rng import RngState
 
-__all__ = ["Checkpoint", "LossCurves", "NonFiniteError", "NonFiniteGuard", "RngState", "read_metrics"]
+__all__ = [
+    "Checkpoint",
+    "GraphLeakDetector",
+    "LossCurves",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "RngState",
+    "read_metrics",
+]
