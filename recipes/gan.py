@@ -210,7 +210,7 @@ class GAN(Recipe):
         epochs = self.trainer.max_epochs if self._trainer is not None else None
         if self.lr_schedule == "constant" or not epochs or epochs < 1:
             return [opt_g, opt_d]
-        # Linear decay to zero over the run, stepped per epoch (on_train_epoch_end; manual optimization
+        # Linear decay to zero over the run, stepped per epoch (on_train_epoch_start; manual optimization
         # steps no scheduler by itself): a GAN at a constant rate keeps circling its equilibrium, and a
         # shrinking step lets it settle where it is instead of at whatever point the last step reached.
         decay = functools.partial(_linear_decay, epochs=epochs)
@@ -391,9 +391,16 @@ class GAN(Recipe):
 
     # --- artifacts ------------------------------------------------------------------------------
 
-    def on_train_epoch_end(self) -> None:
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The schedule is a function of the epoch: bring it up to this batch's. Stepping it at an
+        # epoch's end (or start) loses a step when a run stopped by max_steps exactly at an epoch's end
+        # is resumed: its checkpoint was taken at the last batch, and Lightning then goes on into the
+        # next epoch without calling either hook (7.7e-3 off a straight run).
         for scheduler in self.lr_schedulers() or []:
-            scheduler.step()
+            while scheduler.last_epoch < self.current_epoch:
+                scheduler.step()
+
+    def on_train_epoch_end(self) -> None:
         if self.n_plot_samples and self.trainer.is_global_zero:
             path = Path(self.trainer.default_root_dir) / "samples" / f"epoch_{self.current_epoch:03d}.png"
             self.write_samples(path)

@@ -61,3 +61,16 @@ def straight_and_resumed(
     train(make_cfg(*common, stop, output_dir=first))
     train(make_cfg(*common, end, f"ckpt_path={first / 'checkpoints/last.ckpt'}", output_dir=resumed))
     return straight, first, resumed
+
+
+class DieOnRank(L.Callback):
+    """Kills this process (exit code 3, no cleanup, as a crash or an OOM kill would) on ``rank`` at ``step``."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            import os
+
+            os._exit(3)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,22 @@ def test_two_devices_with_strategy_auto_run_multiloss_ddp(tmp_path):
         *_counter(tmp_path / "auto"),
     )
     assert all(c["allreduces"] == c["optimizer_steps"] > 0 for c in _counts(out))
+
+
+def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
+    """Rank 1 dies mid-training (as an OOM kill would): the job ends non-zero within seconds, not after the
+    process group's 30-minute timeout."""
+    start = time.monotonic()
+    out = tmp_path / "run"
+    proc = run_cli(
+        *QUIET_RUN,
+        "recipe=multihead",
+        *DDP,
+        "trainer.max_steps=50",
+        "+callbacks.die._target_=tests.helpers.DieOnRank",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120

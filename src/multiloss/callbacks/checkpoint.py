@@ -1,4 +1,4 @@
-"""Lightning's ModelCheckpoint, with the last checkpoint of a ``max_steps`` run resumable mid-epoch."""
+"""Lightning's ModelCheckpoint, whose ``last.ckpt`` resumes exactly wherever the run stopped."""
 
 from __future__ import annotations
 
@@ -9,27 +9,42 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class Checkpoint(ModelCheckpoint):
-    """`ModelCheckpoint` (all its arguments) whose ``last.ckpt`` is always the last step trained.
+    """`ModelCheckpoint` (all its arguments) whose ``last.ckpt`` is always the last step trained, resumable.
 
-    Stock Lightning saves the last checkpoint of a run stopped by ``max_steps`` in ``on_train_end``,
-    after the loop has marked the epoch finished: resuming it with a larger ``max_steps`` starts a
-    new epoch and silently skips the rest of the interrupted one. Saved at the final batch's end
-    instead, the checkpoint carries the loader's position and continues on exactly the next batch,
-    like any ``every_n_train_steps`` checkpoint. And when training ends (``max_epochs``, early
-    stopping) after a periodic checkpoint, stock Lightning keeps that one as ``last.ckpt`` (step 20
-    of 23 with ``every_n_train_steps=10``); here the final step is saved.
+    Three holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
+
+    - A run stopped by ``max_steps`` *mid-epoch* is saved in ``on_train_end``, after the loop has
+      marked the epoch finished: a resume starts a new epoch and skips the rest of this one. Here it
+      is saved at the final batch's end, with the loader's position, like a periodic checkpoint.
+    - A run stopped by ``max_steps`` exactly *at an epoch's last batch*, saved at that batch, resumes
+      one epoch too far (Lightning's restart counts the finished epoch twice: a whole epoch of data
+      skipped). Here that step is saved at the epoch's end instead, a state Lightning resumes from
+      into the next epoch, and the data modules' sampler takes its epoch from the trainer
+      (`multiloss.data.arrays`). (With ``limit_train_batches`` the loader is left mid-pass at an
+      epoch's end and Lightning resumes it there: that case is still off.)
+    - Training that ends after a periodic checkpoint (``max_epochs``, early stopping) keeps that one
+      as ``last.ckpt`` (step 20 of 23 with ``every_n_train_steps=10``). Here the final step is saved.
     """
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        final_step = 0 < trainer.max_steps <= trainer.global_step
-        if self.save_last and final_step and not self._should_skip_saving_checkpoint(trainer):
+        epoch_ends = batch_idx + 1 >= trainer.num_training_batches
+        if self.save_last and self._final_step(trainer) and not epoch_ends:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self.save_last and self._final_step(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+        if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             return
         super().on_train_end(trainer, pl_module)
+
+    def _final_step(self, trainer: L.Trainer) -> bool:
+        """``max_steps`` reached by the step just taken, and no checkpoint of it yet."""
+        return 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer)

@@ -22,6 +22,23 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from multiloss.config import require
 
 
+class _EpochSampler(StatefulDistributedSampler):
+    """The rank-sharded, resumable sampler, shuffled for the trainer's ``current_epoch``.
+
+    Lightning calls ``set_epoch`` with its count of processed epochs, which its restart from a
+    checkpoint taken at an epoch's end counts one too high (the resumed run would repeat another
+    epoch's order); the epoch the trainer reports is the one being trained.
+    """
+
+    def __init__(self, *args, trainer_epoch=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trainer_epoch = trainer_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        current = self.trainer_epoch() if self.trainer_epoch is not None else None
+        super().set_epoch(epoch if current is None else current)
+
+
 class ArrayDataModule(L.LightningDataModule):
     """Base for data that fits in memory: subclasses implement `load` and return named tensors.
 
@@ -66,14 +83,18 @@ class ArrayDataModule(L.LightningDataModule):
         self.train_set = StackDataset(**{k: v[self.train_index] for k, v in arrays.items()})
         self.val_set = StackDataset(**{k: v[self.val_index] for k, v in arrays.items()})
 
+    def _trainer_epoch(self) -> int | None:
+        return self.trainer.current_epoch if self.trainer is not None else None
+
     def _ranks(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
     def train_dataloader(self) -> StatefulDataLoader:
         world_size, rank = self._ranks()
-        sampler = StatefulDistributedSampler(
+        sampler = _EpochSampler(
             self.train_set,
+            trainer_epoch=self._trainer_epoch,
             num_replicas=world_size,
             rank=rank,
             shuffle=self.shuffle,
