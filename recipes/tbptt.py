@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from multiloss.accumulation import ManualAccumulation
@@ -190,6 +191,11 @@ class TruncatedBPTT(Recipe):
                 f"logits of shape (batch, time, vocabulary size) = {(*x.shape, vocab)}: the vocabulary is "
                 f"{self.vocab} (from the data, or model.vocab); a net config that leaves out vocab_size gets it",
                 f"for tokens {tuple(x.shape)} it returned logits {tuple(logits.shape)}",
+            )
+        if self.chunk_length > batch["x"].shape[1]:
+            rank_zero_warn(
+                f"multiloss: model.chunk_length={self.chunk_length} exceeds the sequences' length "
+                f"({batch['x'].shape[1]}, data.seq_len): one chunk per sequence, i.e. full BPTT, no truncation"
             )
         too_big = int(batch["y"].max()) if batch["y"].numel() else -1
         require(

@@ -73,6 +73,8 @@ BAD_INPUTS = [
     ("ckpt_path=/no/such.ckpt", ["ckpt_path", "/no/such.ckpt", "no such file"]),
     (f"trainer.accelerator={MISSING}", ["trainer.accelerator", MISSING, "cpu"]),  # hardware this machine lacks
     ("trainer.max_steps=-5", ["trainer.max_steps=-5", "non-negative"]),  # Lightning's own check
+    # Lightning's check against the data, inside fit: still before anything is written.
+    ("trainer.val_check_interval=1000", ["trainer.val_check_interval=1000", "number of the training batches"]),
 ]
 
 

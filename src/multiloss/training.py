@@ -35,7 +35,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # non-finite guard (nothing NaN trains on silently or reaches a checkpoint), the graph-leak
     # detector (a graph kept from step to step, over the first batches).
     callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
-    callbacks += [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
+    record = RunRecord(cfg)
+    callbacks += [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
@@ -56,6 +57,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except RuntimeError as err:
         explain(err)  # an autograd pitfall gets its cause and fix under PyTorch's message
         raise
+    except (MisconfigurationException, ValueError) as err:
+        # Lightning judges some Trainer values only against the data, inside fit (val_check_interval
+        # against the number of batches): before training started (and RunRecord wrote anything),
+        # an error naming a Trainer argument is a config error.
+        named = any(str(k) in str(err) for k in cfg.trainer if not str(k).startswith("_"))
+        if isinstance(err, ConfigError) or record.started or not named:
+            raise
+        raise _lightning_said("trainer", cfg.trainer, err) from None
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 
@@ -82,9 +91,10 @@ def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.Ligh
 class RunRecord(L.Callback):
     """Claims the run dir, writes the run's ``.hydra/`` config copies, prints the config tree and logs it.
 
-    At the start of fit, not before: ``fit`` first runs the recipe's component check on a batch of
-    the data (at setup) and restores ``ckpt_path``; a run rejected there must leave an earlier run's
-    files untouched, and its message must be about the mistake, not about the dir. Rank zero claims
+    At the start of training, not before: ``fit`` first runs the recipe's component check on a batch
+    of the data (at setup), restores ``ckpt_path`` and checks the Trainer's values against the data
+    (``val_check_interval``); a run rejected there must leave an earlier run's files untouched, and
+    its message must be about the mistake, not about the dir. Rank zero claims
     the dir (`multiloss.run_dir`: no other run's checkpoints unless resuming or ``overwrite``, a
     lock while training); ranks started for this run share it.
     """
@@ -92,8 +102,10 @@ class RunRecord(L.Callback):
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.lock: Path | None = None
+        self.started = False  # training began: errors from here on are not about the config
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = True
         if trainer.global_rank == 0:
             out = self.cfg.paths.output_dir
             check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
@@ -135,7 +147,7 @@ def _lightning_said(path: str, node: DictConfig, err: Exception) -> ConfigError:
     """Lightning's own check failed: name the key its message is about, and pass its words on."""
     text = str(err)
     keys = [str(k) for k in node if not str(k).startswith("_") and str(k) in text]
-    key = max(keys, key=len) if keys else None  # the most specific name mentioned
+    key = min(keys, key=lambda k: (text.find(k), -len(k))) if keys else None  # the first named, most specific
     return ConfigError(
         f"{path}.{key}" if key else path,
         node[key] if key else OmegaConf.to_container(node),

@@ -470,3 +470,11 @@ def test_checkpoint_with_another_vocabulary_is_refused(make_cfg, tmp_path):
     with pytest.raises(ConfigError) as err:
         train(make_cfg(*RESUMABLE, "trainer.max_steps=4", f"ckpt_path={tmp_path / 'other.ckpt'}", output_dir=tmp_path))
     assert err.value.key == "ckpt_path"
+
+
+def test_a_chunk_longer_than_the_sequence_is_said(make_cfg, tmp_path):
+    """chunk_length ≥ seq_len is full BPTT: allowed, but not silently (a typo in either key would be)."""
+    with pytest.warns(UserWarning, match=r"chunk_length=64 exceeds the sequences' length \(32"):
+        train(
+            make_cfg(*ONE_BATCH, "data.seq_len=32", "model.chunk_length=64", "trainer.max_steps=1", output_dir=tmp_path)
+        )
