@@ -159,3 +159,22 @@ def test_a_live_run_locks_its_dir_and_a_dead_ones_lock_is_taken_over(make_cfg, t
 def test_bare_runs_leave_no_lock(make_cfg, tmp_path):
     train(make_cfg(*SMALL, *BARE, "trainer.max_steps=1", output_dir=tmp_path))
     assert not (tmp_path / LOCK).exists()
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
+    """kill -9 during a save (a preempted job): the old last.ckpt is intact, never a 0-byte or half file."""
+    import signal
+    import time
+
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, target)
+    big = "{'state_dict': {'w': torch.zeros(100_000_000)}}"  # 400 MB: long enough to be caught writing
+    save = f"AtomicCheckpointIO().save_checkpoint({big}, {str(target)!r})"
+    script = f"import torch; from multiloss.checkpoints import AtomicCheckpointIO; {save}"
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not list(target.parent.glob(".last.ckpt.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the new checkpoint is being written beside the old one
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert torch.equal(torch.load(target, weights_only=True)["state_dict"]["w"], torch.ones(3))
