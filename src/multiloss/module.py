@@ -157,14 +157,8 @@ class Recipe(L.LightningModule):
 
 
 def describe_batch(batch: Mapping[str, Any]) -> str:
-    """``x: float32 (2, 64), y: int64 (2,)``: what a component was given, for error messages."""
-    parts = []
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            parts.append(f"{key}: {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}")
-        else:
-            parts.append(f"{key}: {type(value).__name__}")
-    return ", ".join(parts)
+    """``x: a tensor float32 (2, 64), y: a tensor int64 (2,)``: what a component was given, for error messages."""
+    return ", ".join(f"{key}: {describe_output(value)}" for key, value in batch.items())
 
 
 def describe_output(value: Any) -> str:

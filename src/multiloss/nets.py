@@ -37,6 +37,12 @@ def dense_block(in_features: int, out_features: int, dropout: float = 0.0, batch
     return nn.Sequential(*layers)
 
 
+def dense_blocks(in_features: int, width: int, depth: int, dropout: float, batch_norm: bool) -> list[nn.Sequential]:
+    """``depth`` dense blocks from ``in_features`` to ``width`` units: the trunk of every shipped net."""
+    sizes = [in_features] + [width] * depth
+    return [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
+
+
 def _check_sizes(**sizes: int) -> None:
     for key, value in sizes.items():
         require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
@@ -65,9 +71,8 @@ class MLP(nn.Sequential):
     ) -> None:
         _check_sizes(in_features=in_features, out_features=out_features, width=width)
         _check_regularisation(dropout, depth)
-        sizes = [in_features] + [width] * depth
-        blocks = [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
-        super().__init__(*blocks, nn.Linear(sizes[-1], out_features))
+        blocks = dense_blocks(in_features, width, depth, dropout, batch_norm)
+        super().__init__(*blocks, nn.Linear(width if depth else in_features, out_features))
 
 
 class DeepSupervisionMLP(nn.Module):
@@ -92,8 +97,7 @@ class DeepSupervisionMLP(nn.Module):
         _check_sizes(in_features=in_features, num_classes=num_classes, width=width)
         _check_regularisation(dropout, depth)
         require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of blocks, and of heads)")
-        sizes = [in_features] + [width] * depth
-        self.blocks = nn.ModuleList(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes))
+        self.blocks = nn.ModuleList(dense_blocks(in_features, width, depth, dropout, batch_norm))
         self.heads = nn.ModuleList(nn.Linear(width, num_classes) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -128,9 +132,9 @@ class MultiTaskMLP(nn.Module):
         require(len(heads) >= 1, "heads", heads, "a mapping task name -> number of outputs, e.g. {digit: 10}")
         _check_sizes(in_features=in_features, width=width, **{f"heads.{k}": v for k, v in heads.items()})
         _check_regularisation(dropout, depth)
-        sizes = [in_features] + [width] * depth
-        self.trunk = nn.Sequential(*(dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)))
-        self.heads = nn.ModuleDict({name: nn.Linear(sizes[-1], size) for name, size in heads.items()})
+        self.trunk = nn.Sequential(*dense_blocks(in_features, width, depth, dropout, batch_norm))
+        features = width if depth else in_features
+        self.heads = nn.ModuleDict({name: nn.Linear(features, size) for name, size in heads.items()})
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.trunk(x)

@@ -107,13 +107,7 @@ class GradientCapture(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.steps.append(
-            {
-                name: (p.grad.detach().clone() if p.grad is not None else None)
-                for name, p in pl_module.named_parameters()
-                if id(p) in owned
-            }
-        )
+        self.steps.append(_snapshot((n, p) for n, p in pl_module.named_parameters() if id(p) in owned))
         self.optimizer_index.append(next(i for i, o in enumerate(trainer.optimizers) if o is optimizer))
 
 
@@ -179,8 +173,13 @@ def assert_gradients_close(
 # --- plain-PyTorch references --------------------------------------------------------------------------
 
 
+def _snapshot(named: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> Gradients:
+    """A copy of each parameter's ``.grad`` (None where it has none), by ``prefix + name``."""
+    return {f"{prefix}{n}": None if p.grad is None else p.grad.detach().clone() for n, p in named}
+
+
 def _grads(net: nn.Module, prefix: str) -> Gradients:
-    return {f"{prefix}{n}": None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
+    return _snapshot(net.named_parameters(), prefix)
 
 
 def per_head_gradients(

@@ -60,7 +60,7 @@ class NonFiniteGuard(L.Callback):
         first = self.first_bad.get(name)
         if first is None:
             first = self.first_bad[name] = torch.full((), -1, dtype=torch.long, device=value.device)
-        first.copy_(torch.where(bad & (first < 0), torch.full_like(first, step), first))
+        first.masked_fill_(bad & (first < 0), step)
 
     # --- hooks -----------------------------------------------------------------------------------
 

@@ -31,17 +31,12 @@ _PASSED_BY_TRAIN = {"lightning.pytorch.trainer.trainer.Trainer": {"callbacks", "
 
 def check_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for the first problem found in ``cfg``; return quietly if there is none."""
-    known = {f.name for f in dataclasses.fields(TrainSchema)} | {"hydra"}
+    accepted = sorted({f.name for f in dataclasses.fields(TrainSchema)} - set(COMPONENT_GROUPS))
     for key in cfg:
-        if key not in known:  # `+sed=3`: Hydra adds it, nothing would ever read it
-            close = difflib.get_close_matches(str(key), sorted(known - set(COMPONENT_GROUPS) - {"hydra"}), n=3)
+        if key not in accepted and key not in COMPONENT_GROUPS and key != "hydra":  # `+sed=3`: nothing reads it
+            close = difflib.get_close_matches(str(key), accepted, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise ConfigError(
-                str(key),
-                _plain(cfg, key),
-                f"{hint}top-level keys: {', '.join(sorted(known - set(COMPONENT_GROUPS) - {'hydra'}))}",
-                "unknown key",
-            )
+            raise ConfigError(str(key), _plain(cfg, key), f"{hint}top-level keys: {', '.join(accepted)}", "unknown key")
     for group in COMPONENT_GROUPS:
         # An option file without its package header lands at the top level instead of under `model`.
         if cfg.get(group) is not None:

@@ -145,9 +145,9 @@ class TextDataModule(ArrayDataModule):
         require(level in ("bytes", "chars"), "level", level, "bytes (UTF-8 bytes, 256 ids) or chars")
         self.path, self.level, self.seq_len = path, level, seq_len
         # Read and checked here, not in setup(): a rejected run must fail before any file is written.
-        self.ids, self.vocab = self._read()
-        cut = len(self.ids) - round(len(self.ids) * val_fraction)
-        self.train_ids, self.val_ids = self.ids[:cut], self.ids[cut:]
+        ids, self.vocab = self._read()
+        cut = len(ids) - round(len(ids) * val_fraction)
+        self.train_ids, self.val_ids = ids[:cut], ids[cut:]
         for part, ids in (("training", self.train_ids), ("validation", self.val_ids)):
             if part == "validation" and val_fraction == 0:
                 continue
