@@ -271,7 +271,7 @@ class TruncatedBPTT(Recipe):
             nll_sum = nll_sum + loss.detach() * y.numel()
         ce = nll_sum / batch["y"].numel()
         self.log_losses({"ce": ce}, batch_size=len(batch["y"]))
-        self.log("train/bpc", ce / LN2, on_step=True, on_epoch=False, batch_size=len(batch["y"]))
+        self.log_train_values(("train/bpc",), (ce / LN2).reshape(1))
 
     @staticmethod
     def repackage_hidden(hidden: Any) -> Any:

@@ -53,14 +53,19 @@ class ManualAccumulation:
         last: bool = False,
     ) -> Iterator[Callable[..., None]]:
         stepping = self.steps_on(index, last)
-        # toggle_model: only this optimizer's parameters require grad inside the block (the other
-        # network's weights get no gradient), and without sync_grad DDP skips the all-reduce.
-        with optimizer.toggle_model(sync_grad=stepping):
+        if len(self.module.trainer.optimizers) == 1 and stepping:
+            # One optimizer owns every trained weight and this micro-batch syncs anyway: toggling
+            # would change nothing.
             yield self._backward
+        else:
+            # toggle_model: only this optimizer's parameters require grad inside the block (the other
+            # network's weights get no gradient), and without sync_grad DDP skips the all-reduce.
+            with optimizer.toggle_model(sync_grad=stepping):
+                yield self._backward
         if stepping:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
     def _backward(self, loss: torch.Tensor, **kwargs) -> None:
         # kwargs (gradient=, retain_graph=, ...) pass through to Tensor.backward.
-        self.module.manual_backward(loss / self.every, **kwargs)
+        self.module.manual_backward(loss / self.every if self.every > 1 else loss, **kwargs)

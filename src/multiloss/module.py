@@ -36,6 +36,16 @@ class Recipe(L.LightningModule):
         self.optimizer_factory: OptimizerFactory | None = None
         self.epoch_means = EpochMeans()  # validation losses, filled by log_losses
         self._components_checked = False
+        self._windows: dict[tuple[str, ...], _Window] = {}  # training values between two log rows
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
+        # nn.Module.__setattr__ spends ~5 µs on each checking for parameters, buffers and modules,
+        # which a str (or None) never is: a quarter of Lightning's own per-step cost on a small model.
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # --- contracts ---------------------------------------------------------------------------
 
@@ -125,9 +135,12 @@ class Recipe(L.LightningModule):
         Call it before the backward of a step whose losses are logged only after their optimizer
         stepped (the GAN), so ``nonfinite=skip`` judges a step by its own losses.
         """
+        self._report(tuple(losses), _stacked(losses.values()))
+
+    def _report(self, names: tuple[str, ...], values: torch.Tensor) -> None:
         guard = getattr(self, "_nonfinite_guard", None)
         if guard is not None and self._trainer is not None:
-            guard.record_losses(dict(losses), self.trainer.global_step)
+            guard.record(names, values, self.trainer.global_step)
 
     def log_losses(
         self,
@@ -138,22 +151,43 @@ class Recipe(L.LightningModule):
     ) -> None:
         """Log each component under its own name (``loss/head0``, ...) beside the total.
 
-        Training values are logged per step (the curves; under DDP, rank zero's own micro-batch, as
-        Lightning does without a collective per step); validation values per epoch, as the mean over
-        every rank's examples (`multiloss.metrics.EpochMeans`). Training values also go to the
-        non-finite guard (`report_losses`), unless ``report`` is false (already reported).
+        Training values are summed on the device at every step and logged as their mean over the
+        steps since the last log row, on the rows Lightning writes (every ``trainer.log_every_n_steps``
+        optimizer steps; `log_train_values`): no host sync and no per-value logging work in between.
+        A subclass that overrides ``on_train_batch_end`` calls ``super().on_train_batch_end(...)``. (Under DDP, rank zero's own
+        micro-batches, as Lightning does without a collective per step.) Validation values are
+        logged per epoch, as the mean over every rank's examples (`multiloss.metrics.EpochMeans`).
+        Training values also go to the non-finite guard, unless ``report`` is false (already reported).
         """
         if not self.training:
             self.epoch_means.log(self, losses, prefix, batch_size or 1)
             return
+        names = tuple(f"{prefix}{name}" for name in losses)
+        values = _stacked(losses.values())
         if report:
-            self.report_losses(losses)
-        self.log_dict(
-            {f"{prefix}{name}": value.detach() for name, value in losses.items()},
-            on_step=True,
-            on_epoch=False,
-            batch_size=batch_size,
-        )
+            self._report(tuple(losses), values)
+        self.log_train_values(names, values)
+
+    def log_train_values(self, names: tuple[str, ...], values: torch.Tensor) -> None:
+        """Add this step's ``values`` (a 1-D tensor, one per name) to their window, logged as means on log rows."""
+        window = self._windows.get(names)
+        if window is None:
+            self._windows[names] = _Window(values)
+        else:
+            window.add(values)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # The last hook before Lightning writes a log row: every window (the GAN's generator loss
+        # too, which has values on generator steps only) goes into that row.
+        connector = self.trainer._logger_connector
+        accumulating = self.automatic_optimization and self.trainer.fit_loop._should_accumulate()
+        if connector.should_update_logs and not accumulating:
+            self._log_windows()
+
+    def _log_windows(self) -> None:
+        for names, window in self._windows.items():
+            if window.count:
+                self.log_dict(dict(zip(names, window.take().unbind())), on_step=True, on_epoch=False)
 
 
 def describe_batch(batch: Mapping[str, Any]) -> str:
@@ -185,3 +219,26 @@ def call_component(key: str, target: str, fn: Any, *args: Any, given: str = "") 
             f"a component that runs on the data ({given})" if given else "a component that runs",
             f"it failed: {type(err).__name__}: {err}",
         ) from None
+
+
+class _Window:
+    """Training values summed on their device since the last log row (no host sync until it is logged)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.total, self.count = values.clone(), 1
+
+    def add(self, values: torch.Tensor) -> None:
+        if self.count == 0:
+            self.total.copy_(values)
+        else:
+            self.total.add_(values)
+        self.count += 1
+
+    def take(self) -> torch.Tensor:
+        mean, self.count = self.total / self.count, 0
+        return mean
+
+
+def _stacked(values: Any) -> torch.Tensor:
+    """Scalar tensors as one detached float32 vector: one tensor to sum, check and log per step."""
+    return torch.stack([v.detach().reshape(()).float() for v in values])
