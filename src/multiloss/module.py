@@ -154,8 +154,9 @@ class Recipe(L.LightningModule):
         Training values are summed on the device at every step and logged as their mean over the
         steps since the last log row, on the rows Lightning writes (every ``trainer.log_every_n_steps``
         optimizer steps; `log_train_values`): no host sync and no per-value logging work in between.
-        A subclass that overrides ``on_train_batch_end`` calls ``super().on_train_batch_end(...)``. (Under DDP, rank zero's own
-        micro-batches, as Lightning does without a collective per step.) Validation values are
+        (Under DDP, rank zero's own micro-batches, as Lightning does without a collective per step.)
+        A subclass that overrides ``on_train_batch_end`` calls ``super().on_train_batch_end(...)``.
+        Validation values are
         logged per epoch, as the mean over every rank's examples (`multiloss.metrics.EpochMeans`).
         Training values also go to the non-finite guard, unless ``report`` is false (already reported).
         """
