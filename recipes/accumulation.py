@@ -75,8 +75,9 @@ class Accumulation(Recipe):
         optimizer: Any = None,
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
+        compile: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(compile=compile)
         require(
             base_batch_size >= 1,
             "base_batch_size",

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
@@ -163,8 +163,9 @@ class GAN(Recipe):
         lr_schedule: Literal["linear", "constant"] = "linear",
         n_plot_samples: int = 1000,
         noise_seed: int = 0,
+        compile: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(compile=compile)
         for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
             require(value >= 1, key, value, "an integer ≥ 1")
         require(gp_weight >= 0, "gp_weight", gp_weight, "a number ≥ 0 (0 = no gradient penalty)")
@@ -197,6 +198,13 @@ class GAN(Recipe):
         self.sample_shape: tuple[int, ...] | None = None  # a data sample's shape, seen by the component check
         self.mode_coverage: ModeCoverage | None = None  # set in setup() when the data has modes
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
+
+    components: ClassVar[tuple[str, ...]] = ("generator", "discriminator")
+
+    def not_compilable(self, name: str) -> str:
+        if name == "discriminator" and self.gp_weight > 0:
+            return "the gradient penalty differentiates its gradient, a double backward torch.compile does not support"
+        return ""
 
     def configure_optimizers(self) -> list[Optimizer] | tuple[list[Optimizer], list[LambdaLR]]:
         for key, factory in (("g_optimizer", self.g_optimizer_factory), ("d_optimizer", self.d_optimizer_factory)):

@@ -55,8 +55,10 @@ class MultiHead(Recipe):
             tensors, or logits that ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
-    def __init__(self, net: Any, optimizer: Any = None, head_weights: list[float] | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, net: Any, optimizer: Any = None, head_weights: list[float] | None = None, compile: bool = False
+    ) -> None:
+        super().__init__(compile=compile)
         net, optimizer = plain(net), plain(optimizer)
         # A plain list of floats, not Hydra's ListConfig: checkpoints must load with weights_only=True.
         head_weights = None if head_weights is None else [float(w) for w in head_weights]

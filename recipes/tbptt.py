@@ -119,8 +119,9 @@ class TruncatedBPTT(Recipe):
         sample_length: int = 300,
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
+        compile: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(compile=compile)
         require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (tokens per chunk)")
         require(
             gradient_clip_val is None or gradient_clip_val > 0,

@@ -84,8 +84,8 @@ class WeightedMultiTask(Recipe):
             return a scalar, a metric that fails on them.
     """
 
-    def __init__(self, net: Any, tasks: Any, optimizer: Any = None) -> None:
-        super().__init__()
+    def __init__(self, net: Any, tasks: Any, optimizer: Any = None, compile: bool = False) -> None:
+        super().__init__(compile=compile)
         net, tasks, optimizer = plain(net), plain(tasks), plain(optimizer)
         self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
         self.tasks = build_tasks(tasks)

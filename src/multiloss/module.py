@@ -11,9 +11,10 @@ first batch that arrives (`Recipe.named_batch`). A component that breaks the con
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch.optim import Optimizer
 
@@ -31,8 +32,12 @@ class Recipe(L.LightningModule):
     set ``self.optimizer_factory``; the GAN overrides ``configure_optimizers``.
     """
 
-    def __init__(self) -> None:
+    # The attributes holding the components built from config: what ``compile=true`` compiles.
+    components: ClassVar[tuple[str, ...]] = ("net",)
+
+    def __init__(self, compile: bool = False) -> None:
         super().__init__()
+        self.compile_components = bool(compile)
         self.optimizer_factory: OptimizerFactory | None = None
         self.epoch_means = EpochMeans()  # validation losses, filled by log_losses
         self._components_checked = False
@@ -68,6 +73,32 @@ class Recipe(L.LightningModule):
     def setup(self, stage: str) -> None:
         if not self._components_checked and (batch := probe_batch(self.trainer)) is not None:
             self.run_component_check(batch)
+
+    def configure_model(self) -> None:
+        # Lightning's hook for building or wrapping the model once per fit, before the first step.
+        if self.compile_components:
+            self.compile_in_place()
+
+    def compile_in_place(self) -> dict[str, str]:
+        """``torch.compile`` the forward of each component in `compilable` (``nn.Module.compile``).
+
+        In place: names, state_dict keys and checkpoints stay as without it. Returns what was not
+        compiled and why (also said once on the console).
+        """
+        skipped = {name: why for name in self.components if (why := self.not_compilable(name))}
+        for name in self.components:
+            module = getattr(self, name)
+            if name not in skipped and module._compiled_call_impl is None:
+                module.compile()
+        if skipped:
+            rank_zero_info(
+                "model.compile: left eager: " + "; ".join(f"model.{name} ({why})" for name, why in skipped.items())
+            )
+        return skipped
+
+    def not_compilable(self, name: str) -> str:
+        """Why component ``name`` must stay eager under ``compile=true`` ('' if it can be compiled)."""
+        return ""
 
     def named_batch(self, batch: Any) -> dict[str, Any]:
         """``batch`` as a dict (`multiloss.batches.as_dict`), checked against the components if that has not happened.

@@ -11,7 +11,9 @@ fails instead, and `multiloss.pitfalls` explains that error.)
 notes (by weak reference) the tensors the modules return, and after each batch it adds up the
 bytes of those still alive. Growing batch after batch means graphs are being kept: it warns, once.
 (Not ``saved_tensors_hooks``: with those installed, autograd stops checking saved tensors for
-in-place changes, and the detector would hide the error the in-place pitfall needs.)
+in-place changes, and the detector would hide the error the in-place pitfall needs.) A compiled
+component (``model.compile=true``) is not hooked: each added or removed hook would make
+``torch.compile`` recompile it; the rest of the module still is.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class GraphLeakDetector(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if len(self.after_batch) < self.steps and not self._handles:
-            self._handles = [m.register_forward_hook(self._note) for m in pl_module.modules()]
+            self._handles = [m.register_forward_hook(self._note) for m in _eager_modules(pl_module)]
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -79,3 +81,13 @@ class GraphLeakDetector(L.Callback):
                 "backward(retain_graph=True) on a graph that stays referenced. Detach what crosses steps; "
                 "retain_graph=True is not the fix."
             )
+
+
+def _eager_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules, less those compiled with ``Module.compile()`` and everything inside them."""
+    compiled = [name for name, m in module.named_modules() if m._compiled_call_impl is not None]
+    return [
+        m
+        for name, m in module.named_modules()
+        if not any(name == c or name.startswith(f"{c}.") or c == "" for c in compiled)
+    ]
