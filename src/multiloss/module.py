@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
 from multiloss.batches import as_dict, dataset_tensors, probe_batch, take
