@@ -57,11 +57,13 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
     return make
 
 
-def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python train.py <args>`` in a subprocess, as a user runs it."""
+def run_cli(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, python_flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``python [python_flags] train.py <args>`` in a subprocess, as a user runs it."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
+        [sys.executable, *python_flags, str(ROOT / "train.py"), *args],
         cwd=cwd,
         env=env,
         capture_output=True,

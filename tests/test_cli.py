@@ -49,6 +49,15 @@ def test_help_lists_every_recipe_with_its_description():
     assert "Deep supervision: several classification heads" in proc.stdout  # multihead's docstring, first line
 
 
+def test_help_imports_neither_torch_nor_lightning():
+    # -X importtime lists every module the interpreter imported, on stderr.
+    proc = run_cli("--help", python_flags=("-X", "importtime"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+    assert "hydra" in imported
+    assert not imported & {"torch", "lightning", "torchmetrics", "numpy"}, sorted(imported)
+
+
 def _digest(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()

@@ -1,18 +1,34 @@
-"""What ``python train.py`` does with a composed config: run it, or print a user error cleanly."""
+"""What ``python train.py`` does with a composed config: run it, or print a user error cleanly.
+
+Torch and Lightning are imported inside `run`, once Hydra has a config to run: ``--help``,
+``--cfg job`` and config errors found while composing never pay for them.
+"""
 
 from __future__ import annotations
 
-import rich.console
-import rich.markup
 from omegaconf import DictConfig
-
-from multiloss.callbacks import NonFiniteError
-from multiloss.checkpoints import CheckpointWriteError
-from multiloss.config import ConfigError
-from multiloss.training import train
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
+    import logging
+
+    import rich.console
+    import rich.markup
+
+    from multiloss.callbacks import NonFiniteError
+    from multiloss.checkpoints import CheckpointWriteError
+    from multiloss.config import ConfigError
+    from multiloss.training import train
+
+    # Imported after Hydra set up logging, Lightning does not add its own console handler and its
+    # lines go through Hydra's (into a run dir's train.log, even a rejected run's): set it up as
+    # Lightning does when imported first.
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        lightning_log = logging.getLogger(name)
+        if not lightning_log.handlers:
+            lightning_log.addHandler(logging.StreamHandler())
+            lightning_log.propagate = False
+
     console = rich.console.Console(stderr=True, highlight=False)
     try:
         return train(cfg)
