@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
+from hydra.utils import get_method, instantiate  # noqa: E402
 
 from multiloss.batches import as_dict  # noqa: E402
 from multiloss.testing import compose  # noqa: E402
@@ -130,7 +130,134 @@ class StepTimer(L.Callback):
             trainer.should_stop = True
 
 
-# --- the plain loops: what the seeds write, one per recipe ------------------------------------------
+# --- the plain steps: what the seeds write, one per recipe -------------------------------------------
+
+
+class PlainStep:
+    """One recipe's training step in plain PyTorch: its optimizers are built here, from the recipe's config."""
+
+    def __init__(self, nets: dict[str, torch.nn.Module], cfg: Any, device: torch.device, autocast: Any) -> None:
+        self.nets, self.cfg, self.device, self.autocast = nets, cfg, device, autocast
+
+    def __call__(self, epoch: int, i: int, last: bool, batch: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class MultiheadStep(PlainStep):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.opt = instantiate(self.cfg.model.optimizer)(self.nets["net"].parameters())
+
+    def __call__(self, epoch, i, last, batch):
+        with self.autocast():
+            loss = sum(F.cross_entropy(logits, batch["y"]) for logits in self.nets["net"](batch["x"]))
+        self.opt.zero_grad()
+        loss.backward()  # one backward of the summed heads
+        self.opt.step()
+
+
+class WeightedStep(PlainStep):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.tasks = self.cfg.model.tasks
+        self.loss_fns = {name: get_method(t.loss) for name, t in self.tasks.items()}
+        self.weights = torch.tensor([float(t.weight) for t in self.tasks.values()], device=self.device)
+        self.opt = instantiate(self.cfg.model.optimizer)(self.nets["net"].parameters())
+
+    def __call__(self, epoch, i, last, batch):
+        with self.autocast():
+            outputs = self.nets["net"](batch["x"])
+            losses = torch.stack([self.loss_fns[n](outputs[n], batch[t.target]) for n, t in self.tasks.items()])
+        self.opt.zero_grad()
+        torch.autograd.backward(losses, grad_tensors=self.weights.to(losses.dtype))  # the seeds' grad_tensors
+        self.opt.step()
+
+
+class GanStep(PlainStep):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        m = self.m = self.cfg.model
+        self.opt_g = instantiate(m.g_optimizer)(self.nets["generator"].parameters())
+        self.opt_d = instantiate(m.d_optimizer)(self.nets["discriminator"].parameters())
+        decay = functools.partial(lambda e, n: max(0.0, 1 - e / n), n=self.cfg.trainer.max_epochs)
+        self.schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (self.opt_g, self.opt_d)]
+        self.noise = torch.Generator(device=self.device).manual_seed(m.noise_seed)
+        self.epoch = 0
+
+    def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.randn(n, self.m.latent_dim + 1, generator=self.noise, device=self.device)
+        return rows[:, :-1], torch.special.ndtr(rows[:, -1:])
+
+    def __call__(self, epoch, i, last, batch):
+        G, D, m = self.nets["generator"], self.nets["discriminator"], self.m
+        while self.epoch < epoch:  # the learning rates fall per epoch
+            for s in self.schedules:
+                s.step()
+            self.epoch += 1
+        real = batch["x"]
+        with self.autocast():
+            z, eps = self.draw(len(real))
+            fake = G(z).detach()
+            loss_d = -D(real).mean() + D(fake).mean()
+            x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
+            (grad,) = torch.autograd.grad(D(x_hat).sum(), x_hat, create_graph=True)
+            loss_d = loss_d + m.gp_weight * ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+        self.opt_d.zero_grad()
+        loss_d.backward()
+        self.opt_d.step()
+        if (i + 1) % m.n_critic == 0:
+            with self.autocast():
+                z, _ = self.draw(len(real))
+                loss_g = -D(G(z)).mean()
+            self.opt_g.zero_grad()
+            loss_g.backward()
+            self.opt_g.step()
+
+
+class TbpttStep(PlainStep):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.opt = instantiate(self.cfg.model.optimizer)(self.nets["net"].parameters())
+
+    def __call__(self, epoch, i, last, batch):
+        net, m = self.nets["net"], self.cfg.model
+        hidden = None
+        for x, y in zip(batch["x"].split(m.chunk_length, 1), batch["y"].split(m.chunk_length, 1)):
+            with self.autocast():
+                logits, hidden = net(x, hidden)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            self.opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), m.gradient_clip_val)
+            self.opt.step()
+            hidden = tuple(h.detach() for h in hidden)  # the seeds' repackage_hidden
+
+
+class AccumulationStep(PlainStep):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.k = self.cfg.trainer.accumulate_grad_batches
+        self.opt = instantiate(self.cfg.model.optimizer)(self.nets["net"].parameters())
+        for group in self.opt.param_groups:  # the linear rule: lr × (batch × k) / base batch
+            group["lr"] *= self.cfg.data.batch_size * self.k / self.cfg.model.base_batch_size
+
+    def __call__(self, epoch, i, last, batch):
+        with self.autocast():
+            loss = F.cross_entropy(self.nets["net"](batch["x"]), batch["y"]) / self.k  # the seeds' loss / k
+        loss.backward()
+        if (i + 1) % self.k == 0 or last:
+            self.opt.step()
+            self.opt.zero_grad()
+
+
+STEPS: dict[str, type[PlainStep]] = {
+    "multihead": MultiheadStep,
+    "weighted": WeightedStep,
+    "gan": GanStep,
+    "tbptt": TbpttStep,
+    "accumulation": AccumulationStep,
+}
+NETS = {"gan": ("generator", "discriminator")}
 
 
 def batches(loader: Any, device: torch.device) -> Iterator[tuple[int, int, bool, dict[str, torch.Tensor]]]:
@@ -143,122 +270,29 @@ def batches(loader: Any, device: torch.device) -> Iterator[tuple[int, int, bool,
             yield epoch, i, i + 1 == n, batch
 
 
-def multihead_loop(nets, cfg, loader, device, window, autocast) -> None:
-    net = nets["net"]
-    opt = instantiate(cfg.model.optimizer)(net.parameters())
-    for _, _, _, batch in batches(loader, device):
-        with autocast():
-            loss = sum(F.cross_entropy(logits, batch["y"]) for logits in net(batch["x"]))
-        opt.zero_grad()
-        loss.backward()  # one backward of the summed heads
-        opt.step()
-        if window.batch_ended():
-            return
+class BareLightning(L.LightningModule):
+    """The plain step, verbatim, as a LightningModule's manual step: Lightning's own loop and nothing else.
 
+    Its optimizers are the step's raw torch optimizers (Lightning never sees them): what is left is
+    what any LightningModule pays per batch, the floor under every recipe.
+    """
 
-def weighted_loop(nets, cfg, loader, device, window, autocast) -> None:
-    net = nets["net"]
-    tasks = cfg.model.tasks
-    loss_fns = {name: instantiate({"_target_": "hydra.utils.get_method", "path": t.loss}) for name, t in tasks.items()}
-    weights = torch.tensor([float(t.weight) for t in tasks.values()], device=device)
-    opt = instantiate(cfg.model.optimizer)(net.parameters())
-    for _, _, _, batch in batches(loader, device):
-        with autocast():
-            outputs = net(batch["x"])
-            losses = torch.stack([loss_fns[n](outputs[n], batch[t.target]) for n, t in tasks.items()])
-        opt.zero_grad()
-        torch.autograd.backward(losses, grad_tensors=weights.to(losses.dtype))  # the seeds' grad_tensors
-        opt.step()
-        if window.batch_ended():
-            return
+    def __init__(self, step: PlainStep, window: Window) -> None:
+        super().__init__()
+        self.step, self.window = step, window
+        self.nets = torch.nn.ModuleDict(step.nets)
+        self.automatic_optimization = False
 
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        last = batch_idx + 1 == self.trainer.num_training_batches
+        self.step(self.current_epoch, batch_idx, last, as_dict(batch))
 
-def gan_loop(nets, cfg, loader, device, window, autocast) -> None:
-    G, D = nets["generator"], nets["discriminator"]
-    m = cfg.model
-    opt_g = instantiate(m.g_optimizer)(G.parameters())
-    opt_d = instantiate(m.d_optimizer)(D.parameters())
-    epochs = cfg.trainer.max_epochs
-    decay = functools.partial(lambda e, n: max(0.0, 1 - e / n), n=epochs)
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (opt_g, opt_d)]
-    noise = torch.Generator(device=device).manual_seed(m.noise_seed)
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.window.batch_ended():
+            self.trainer.should_stop = True
 
-    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.randn(n, m.latent_dim + 1, generator=noise, device=device)
-        return rows[:, :-1], torch.special.ndtr(rows[:, -1:])
-
-    current = 0
-    for epoch, i, _, batch in batches(loader, device):
-        if epoch != current:
-            for s in schedules:
-                s.step()
-            current = epoch
-        real = batch["x"]
-        with autocast():
-            z, eps = draw(len(real))
-            fake = G(z).detach()
-            loss_d = -D(real).mean() + D(fake).mean()
-            x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
-            (grad,) = torch.autograd.grad(D(x_hat).sum(), x_hat, create_graph=True)
-            loss_d = loss_d + m.gp_weight * ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
-        opt_d.zero_grad()
-        loss_d.backward()
-        opt_d.step()
-        if (i + 1) % m.n_critic == 0:
-            with autocast():
-                z, _ = draw(len(real))
-                loss_g = -D(G(z)).mean()
-            opt_g.zero_grad()
-            loss_g.backward()
-            opt_g.step()
-        if window.batch_ended():
-            return
-
-
-def tbptt_loop(nets, cfg, loader, device, window, autocast) -> None:
-    net = nets["net"]
-    m = cfg.model
-    opt = instantiate(m.optimizer)(net.parameters())
-    for _, _, _, batch in batches(loader, device):
-        hidden = None
-        for x, y in zip(batch["x"].split(m.chunk_length, 1), batch["y"].split(m.chunk_length, 1)):
-            with autocast():
-                logits, hidden = net(x, hidden)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), m.gradient_clip_val)
-            opt.step()
-            hidden = tuple(h.detach() for h in hidden)  # the seeds' repackage_hidden
-        if window.batch_ended():
-            return
-
-
-def accumulation_loop(nets, cfg, loader, device, window, autocast) -> None:
-    net = nets["net"]
-    k = cfg.trainer.accumulate_grad_batches
-    opt = instantiate(cfg.model.optimizer)(net.parameters())
-    for group in opt.param_groups:  # the linear rule: lr × (batch × k) / base batch
-        group["lr"] *= cfg.data.batch_size * k / cfg.model.base_batch_size
-    for _, i, last, batch in batches(loader, device):
-        with autocast():
-            loss = F.cross_entropy(net(batch["x"]), batch["y"]) / k  # the seeds' loss / accumulation_steps
-        loss.backward()
-        if (i + 1) % k == 0 or last:
-            opt.step()
-            opt.zero_grad()
-        if window.batch_ended():
-            return
-
-
-PLAIN: dict[str, Callable[..., None]] = {
-    "multihead": multihead_loop,
-    "weighted": weighted_loop,
-    "gan": gan_loop,
-    "tbptt": tbptt_loop,
-    "accumulation": accumulation_loop,
-}
-NETS = {"gan": ("generator", "discriminator")}
+    def configure_optimizers(self) -> None:
+        return None
 
 
 # --- one run of each kind ------------------------------------------------------------------------
@@ -307,31 +341,54 @@ def run_recipe(args: argparse.Namespace, recipe: str, mode: str, out: Path) -> t
     return window, StepTimer.current.weights
 
 
-def run_plain(args: argparse.Namespace, recipe: str, out: Path) -> tuple[Window, dict]:
+def run_plain(args: argparse.Namespace, recipe: str, out: Path, lightning: bool = False) -> tuple[Window, dict]:
+    """The plain step in a plain loop, or (``lightning``) in a bare LightningModule under a bare Trainer."""
     cfg = compose(*overrides(args, recipe, "off"), output_dir=out)
     device = torch.device(args.device)
     datamodule, module = build_data_and_model(cfg)  # the same seed, so the same initial weights
     module.to(device)
-    datamodule.setup("fit")
     nets = {name: getattr(module, name) for name in NETS.get(recipe, ("net",))}
+    if args.compile:
+        for net in nets.values():
+            net.compile()
     window = Window(args.warmup, args.batches or BATCHES[recipe], device)
     if args.precision == "bf16-mixed":
         autocast = functools.partial(torch.autocast, device_type=args.device, dtype=torch.bfloat16)
     else:
-        autocast = _no_autocast
-    window.begin()
-    if args.compile:
-        nets = {name: torch.compile(net) for name, net in nets.items()}
-    PLAIN[recipe](nets, cfg, datamodule.train_dataloader(), device, window, autocast)
+        autocast = contextlib.nullcontext
+    step = STEPS[recipe](nets, cfg, device, autocast)
+    if lightning:
+        bare = BareLightning(step, window)
+        trainer = L.Trainer(
+            accelerator="gpu" if args.device == "cuda" else "cpu",
+            devices=1,
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            use_distributed_sampler=False,
+            callbacks=[_WindowStart(window)],
+        )
+        trainer.fit(bare, datamodule=datamodule)
+    else:
+        datamodule.setup("fit")
+        window.begin()
+        for epoch, i, last, batch in batches(datamodule.train_dataloader(), device):
+            step(epoch, i, last, batch)
+            if window.batch_ended():
+                break
     return window, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-class _no_autocast:
-    def __enter__(self) -> None:
-        return None
+class _WindowStart(L.Callback):
+    def __init__(self, window: Window) -> None:
+        self.window = window
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.window.begin()
 
 
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -350,7 +407,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10, help="batches before the timed window")
     parser.add_argument("--batches", type=int, default=0, help="timed batches per run (default: per recipe)")
-    parser.add_argument("--modes", nargs="+", default=["off", "defaults"], choices=("off", "defaults"))
+    parser.add_argument(
+        "--modes", nargs="+", default=["lightning", "off", "defaults"], choices=("lightning", "off", "defaults")
+    )
     parser.add_argument("--compile", action="store_true", help="model.compile=true (and torch.compile the plain nets)")
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides for every run")
     args = parser.parse_args()
@@ -373,8 +432,8 @@ def main() -> None:
             for r in range(args.rounds):
                 for kind in results:
                     out = Path(tmp) / f"{recipe}-{kind}-{r}"
-                    if kind == "plain":
-                        window, weights = run_plain(args, recipe, out)
+                    if kind in ("plain", "lightning"):
+                        window, weights = run_plain(args, recipe, out, lightning=kind == "lightning")
                     else:
                         window, weights = run_recipe(args, recipe, kind, out)
                     results[kind].ms.append(window.median_ms)
@@ -385,24 +444,33 @@ def main() -> None:
 
 
 def row(recipe: str, results: dict[str, Result], modes: list[str]) -> str:
+    """ms per batch (ratio to plain) per kind, the all-batches ratios, peak memory, the weights' difference."""
     plain = statistics.median(results["plain"].ms)
     plain_all = statistics.median(results["plain"].mean_ms)
     cells = [recipe, f"{plain:.2f}"]
     for kind in modes:
-        ms, all_ms = statistics.median(results[kind].ms), statistics.median(results[kind].mean_ms)
-        cells += [f"{ms:.2f}", f"**{ms / plain:.2f}×**", f"{all_ms / plain_all:.2f}×"]
-    cells += [f"{max(results[kind].peak) / 2**20:.0f}" for kind in results]
-    cells += [f"{largest_difference(results[kind].weights, results['plain'].weights):.0e}" for kind in modes]
+        ms = statistics.median(results[kind].ms)
+        cells.append(f"{ms:.2f} (**{ms / plain:.2f}×**)")
+    cells.append(" / ".join(f"{statistics.median(results[k].mean_ms) / plain_all:.2f}×" for k in modes))
+    cells.append(" / ".join(f"{max(results[k].peak) / 2**20:.0f}" for k in results))
+    cells.append(" / ".join(f"{largest_difference(results[k].weights, results['plain'].weights):.0e}" for k in modes))
     return "| " + " | ".join(cells) + " |"
 
 
 def header(modes: list[str]) -> str:
-    names = ["recipe", "plain ms"]
-    for kind in modes:
-        names += [f"{kind} ms", f"{kind} ratio", f"{kind} ratio, all batches"]
-    names += [f"peak MiB {kind}" for kind in ("plain", *modes)]
-    names += [f"max abs Δw {kind}" for kind in modes]
+    kinds = " / ".join(modes)
+    names = [
+        "recipe",
+        "plain ms/batch",
+        *(f"{LABELS[k]} ms (ratio)" for k in modes),
+        f"ratio, all batches ({kinds})",
+        f"peak MiB (plain / {kinds})",
+        f"max abs Δw ({kinds})",
+    ]
     return "| " + " | ".join(names) + " |\n|---|" + "---:|" * (len(names) - 1)
+
+
+LABELS = {"lightning": "bare Lightning", "off": "multiloss, off", "defaults": "multiloss, defaults"}
 
 
 def machine(args: argparse.Namespace) -> str:

@@ -1,0 +1,250 @@
+"""The memory laws the recipes rest on, measured: each case in a fresh process, on CPU or CUDA.
+
+    python benchmarks/memory.py                    # CPU: every law
+    python benchmarks/memory.py --device cuda
+    python benchmarks/memory.py --laws tbptt heads
+
+- **tbptt**: truncated BPTT's peak memory is flat in the sequence length (one chunk's graph at a
+  time), full BPTT's grows with it. ``recipe=tbptt`` through ``multiloss.train``, one batch of 4
+  sequences of ``data.seq_len`` 1k … 32k characters, ``model.chunk_length=32`` against
+  ``model.chunk_length=<seq_len>`` (one backward through the whole sequence).
+- **accumulation**: k micro-batches of B/k hold about 1/k of the activations of one batch of B.
+  ``recipe=accumulation`` with a wide MLP (width 2048, depth 4), B = 1024, k = 1, 2, 4, 8.
+- **heads**: N heads' losses summed and backpropagated once cost about one backward, in time and
+  memory, against N ``backward(retain_graph=True)`` calls (plain PyTorch, a trunk of 6 dense blocks of
+  width 1024 and N two-layer heads, batch 256).
+
+Memory is measured above what the process held just before the first training step (weights,
+data, the framework): on CUDA ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` then;
+on CPU the peak resident set size (``ru_maxrss``) minus the resident size then. Each case runs in
+its own process, so no case inherits another's peak. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAWS = ("tbptt", "accumulation", "heads")
+SEQ_LENS = (1024, 4096, 16384, 32768)
+FULL_BPTT_SEQ_LENS = (1024, 4096, 16384)  # 32k full BPTT holds ~2.5 GB of graph: slow on a small CPU
+ACCUMULATION_K = (1, 2, 4, 8)
+HEADS = (1, 2, 4, 8)
+
+
+# --- inside a case's process ----------------------------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Meter:
+    """Memory above the level when `start` was called: peak allocation (CUDA) or peak RSS (CPU)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.base = 0
+
+    def start(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = _rss()
+
+    def peak_above(self) -> int:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
+
+
+def run_recipe_case(device: str, overrides: list[str]) -> dict[str, float]:
+    """``multiloss.train`` on ``overrides``; the peak above the memory held at the first batch's start."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+    import lightning as L
+    import torch
+
+    from multiloss.testing import compose
+    from multiloss.training import train
+
+    torch.set_num_threads(1)
+    meter = Meter(device)
+
+    class StartMeter(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 0 and batch_idx == 0:
+                meter.start()
+                self.t = time.perf_counter()
+
+    Meter.callback = StartMeter  # built by train() from the config below
+    accelerator = "gpu" if device == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory() as out:
+        cfg = compose(
+            *overrides,
+            f"trainer.accelerator={accelerator}",
+            "trainer.devices=1",
+            "logger=none",
+            "callbacks=none",
+            "+trainer.enable_checkpointing=false",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "trainer.limit_val_batches=0",
+            "trainer.num_sanity_val_steps=0",
+            "print_config=false",
+            f"+callbacks.meter._target_={__name__}.Meter.callback",
+            output_dir=out,
+        )
+        start = time.perf_counter()
+        train(cfg)
+        seconds = time.perf_counter() - start
+    return {"peak": meter.peak_above(), "seconds": seconds}
+
+
+def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> dict[str, float]:
+    """One training step's backward of ``heads`` heads: summed once, or one retain_graph backward each."""
+    sys.path[:0] = [str(ROOT / "src")]
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from multiloss.nets import dense_blocks
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    trunk = nn.Sequential(*dense_blocks(256, 1024, 6, 0.0, False)).to(device)
+    head_nets = nn.ModuleList(
+        nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10)) for _ in range(heads)
+    ).to(device)
+    x = torch.randn(256, 256, device=device)
+    y = torch.randint(0, 10, (256,), device=device)
+    meter = Meter(device)
+    times = []
+    for i in range(repeats + 1):
+        if i == 1:
+            meter.start()  # after a first step: allocator warm, gradients allocated
+        start = time.perf_counter()
+        features = trunk(x)
+        losses = [F.cross_entropy(head(features), y) for head in head_nets]
+        if summed:
+            sum(losses).backward()
+        else:
+            for j, loss in enumerate(losses):
+                loss.backward(retain_graph=j < len(losses) - 1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"peak": meter.peak_above(), "seconds": statistics.median(times[1:])}
+
+
+# --- the driver: one subprocess per case ------------------------------------------------------------
+
+
+def case(device: str, kind: str, *args: str) -> dict[str, float]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--case", kind, "--device", device, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {kind} {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def tbptt_law(device: str) -> None:
+    print("\n**TBPTT**: one batch of 4 sequences (pydoc text), peak memory above the start (MiB)\n")
+    print("| data.seq_len | chunk_length=32 (truncated) | chunk_length=seq_len (full BPTT) |")
+    print("|---:|---:|---:|")
+    for seq_len in SEQ_LENS:
+        common = ["recipe=tbptt", f"data.seq_len={seq_len}", "data.batch_size=4", "trainer.max_epochs=1"]
+        # One batch: seq_len / 32 chunk steps truncated, one step full.
+        chunks = seq_len // 32
+        truncated = case(device, "recipe", *common, "model.chunk_length=32", f"trainer.max_steps={chunks}")
+        full = (
+            mib(case(device, "recipe", *common, f"model.chunk_length={seq_len}", "trainer.max_steps=1")["peak"])
+            if seq_len in FULL_BPTT_SEQ_LENS
+            else "(not run)"
+        )
+        print(f"| {seq_len} | {mib(truncated['peak'])} | {full} |", flush=True)
+
+
+def accumulation_law(device: str) -> None:
+    print("\n**Accumulation**: 1024 examples per optimizer step as k micro-batches of 1024/k, MLP width 2048 depth 4,")
+    print("peak memory above the start (MiB; the gradients themselves, the same for every k, are in it)\n")
+    print("| k | micro-batch | peak MiB | vs k=1 |")
+    print("|---:|---:|---:|---:|")
+    first = None
+    for k in ACCUMULATION_K:
+        result = case(
+            device,
+            "recipe",
+            "recipe=accumulation",
+            f"data.batch_size={1024 // k}",
+            f"trainer.accumulate_grad_batches={k}",
+            "model.net.width=2048",
+            "model.net.depth=4",
+            "trainer.max_steps=3",
+        )
+        first = first or result["peak"]
+        print(f"| {k} | {1024 // k} | {mib(result['peak'])} | {result['peak'] / first:.2f} |", flush=True)
+
+
+def heads_law(device: str) -> None:
+    print("\n**Heads**: N heads on one trunk (6 × 1024 dense, batch 256): Σ losses, one backward vs N")
+    print("backward(retain_graph=True); forward + backward time (median of 5) and peak memory above the start\n")
+    print("| N | summed ms | retain_graph ms | time ratio | summed MiB | retain_graph MiB |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in HEADS:
+        summed = case(device, "heads", str(n), "summed")
+        retained = case(device, "heads", str(n), "retained")
+        print(
+            f"| {n} | {summed['seconds'] * 1e3:.1f} | {retained['seconds'] * 1e3:.1f} "
+            f"| {retained['seconds'] / summed['seconds']:.2f}× | {mib(summed['peak'])} | {mib(retained['peak'])} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--laws", nargs="+", default=list(LAWS), choices=LAWS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.case == "recipe":
+        print(json.dumps(run_recipe_case(args.device, rest)))
+        return
+    if args.case == "heads":
+        print(json.dumps(run_heads_case(args.device, int(rest[0]), rest[1] == "summed")))
+        return
+    import torch
+
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()}, {os.cpu_count()} cores"
+    print(f"Machine: {where}; torch {torch.__version__}; 1 torch CPU thread; fp32.")
+    for law in args.laws:
+        {"tbptt": tbptt_law, "accumulation": accumulation_law, "heads": heads_law}[law](args.device)
+
+
+if __name__ == "__main__":
+    main()
