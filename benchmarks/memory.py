@@ -12,11 +12,13 @@
   ``recipe=accumulation`` with a wide MLP (width 2048, depth 4), B = 1024, k = 1, 2, 4, 8.
 - **heads**: N heads' losses summed and backpropagated once cost about one backward, in time and
   memory, against N ``backward(retain_graph=True)`` calls (plain PyTorch, a trunk of 6 dense blocks of
-  width 1024 and N two-layer heads, batch 256).
+  width 1024 and N linear heads, batch 256).
 
 Memory is measured above what the process held just before the first training step (weights,
 data, the framework): on CUDA ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` then;
-on CPU the peak resident set size (``ru_maxrss``) minus the resident size then. Each case runs in
+on CPU the peak resident set size (``ru_maxrss``) minus the resident size then, with glibc told to
+map every allocation of 64 KiB or more on its own (``MALLOC_MMAP_THRESHOLD_``), so that a freed
+tensor leaves the resident set at once and the peak is the peak of live memory. Each case runs in
 its own process, so no case inherits another's peak. A benchmark, not a test.
 """
 
@@ -130,9 +132,7 @@ def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> d
     torch.set_num_threads(1)
     torch.manual_seed(0)
     trunk = nn.Sequential(*dense_blocks(256, 1024, 6, 0.0, False)).to(device)
-    head_nets = nn.ModuleList(
-        nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10)) for _ in range(heads)
-    ).to(device)
+    head_nets = nn.ModuleList(nn.Linear(1024, 10) for _ in range(heads)).to(device)
     x = torch.randn(256, 256, device=device)
     y = torch.randint(0, 10, (256,), device=device)
     meter = Meter(device)
@@ -162,7 +162,7 @@ def case(device: str, kind: str, *args: str) -> dict[str, float]:
         [sys.executable, __file__, "--case", kind, "--device", device, *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "65536"},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"case {kind} {args} failed:\n{proc.stderr[-3000:]}")

@@ -395,7 +395,7 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     common = [k for k in a if k in b and a[k].is_floating_point()]
     if not common:
         return math.nan
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in common)
+    return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in common)
 
 
 def main() -> None:

@@ -1,0 +1,70 @@
+"""Training losses are summed on the device and written as means on Lightning's log rows (`Recipe.log_losses`).
+
+Every step counts in exactly one row: a row every n steps holds the mean of the n per-step values a
+run logging every step writes (training itself does not depend on logging, so both runs see the
+same losses). Under accumulation a row comes only on optimizer steps, and holds every micro-batch.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from multiloss import train
+from tests.conftest import ONE_CPU_NO_VAL, SMALL_GAN
+
+
+def _rows(run: Path, column: str) -> dict[int, float]:
+    with next(run.rglob("metrics.csv")).open(newline="") as f:
+        return {int(r["step"]): float(r[column]) for r in csv.DictReader(f) if r.get(column)}
+
+
+def _run(make_cfg, tmp_path: Path, name: str, *overrides: str) -> tuple[Path, dict[str, float]]:
+    out = tmp_path / name
+    metrics = train(make_cfg(*ONE_CPU_NO_VAL, "callbacks=none", *overrides, output_dir=out))
+    return out, metrics
+
+
+@pytest.mark.parametrize(
+    ("recipe", "column", "steps"),
+    [
+        ("multihead", "loss/head1", ("trainer.max_steps=12", "data.batch_size=32")),
+        # The generator's loss exists on generator steps only (every n_critic-th batch).
+        ("gan", "loss/g", (*SMALL_GAN, "trainer.max_steps=18", "data.batch_size=64")),
+    ],
+)
+def test_a_row_is_the_mean_of_its_steps(make_cfg, tmp_path, recipe, column, steps):
+    every, _ = _run(make_cfg, tmp_path, "every", f"recipe={recipe}", *steps, "trainer.log_every_n_steps=1")
+    fourth, metrics = _run(make_cfg, tmp_path, "fourth", f"recipe={recipe}", *steps, "trainer.log_every_n_steps=4")
+    per_step, per_row = _rows(every, column), _rows(fourth, column)
+    assert len(per_row) >= 2
+    previous = -1
+    for step, value in sorted(per_row.items()):
+        window = [v for s, v in per_step.items() if previous < s <= step]
+        assert window, step
+        assert value == pytest.approx(sum(window) / len(window), rel=1e-6)
+        previous = step
+    # Callbacks that monitor a training loss see the latest row's values.
+    assert metrics[column] == pytest.approx(per_row[max(per_row)], rel=1e-6)
+
+
+def test_accumulation_writes_rows_on_optimizer_steps_with_every_micro_batch(make_cfg, tmp_path):
+    # lr=0: the weights stay put, so a micro-batch has the same loss in both runs.
+    common = ("recipe=accumulation", "data.batch_size=16", "model.optimizer.lr=0", "trainer.log_every_n_steps=1")
+    one, _ = _run(make_cfg, tmp_path, "k1", *common, "trainer.accumulate_grad_batches=1", "trainer.max_steps=12")
+    run, _ = _run(
+        make_cfg,
+        tmp_path,
+        "k2",
+        *common,
+        "trainer.accumulate_grad_batches=2",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=3",
+    )
+    micro = [v for _, v in sorted(_rows(one, "loss/total").items())]
+    rows = [v for _, v in sorted(_rows(run, "loss/total").items())]
+    assert len(micro) == 12 and len(rows) == 2
+    # A row every 3 optimizer steps = 6 micro-batches, each of them in it.
+    assert rows == pytest.approx([sum(micro[:6]) / 6, sum(micro[6:]) / 6], rel=1e-6)
