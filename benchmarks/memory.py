@@ -78,6 +78,55 @@ class Meter:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
 
 
+class SavedBytes:
+    """Bytes autograd keeps for backward (the activations), live and peak, each storage counted once.
+
+    Through ``torch.autograd.graph.saved_tensors_hooks``: the exact activation memory, on any device.
+    (A benchmark only: with the hooks on, autograd stops checking saved tensors for in-place changes.)
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[object, int], list[int]] = {}  # storage -> [references, bytes]
+        self.now = self.peak = 0
+
+    def hooks(self):
+        import torch
+
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, tensor):
+        import weakref
+
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        entry = self.live.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        holder = _Saved(tensor)
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    @staticmethod
+    def unpack(holder):
+        return holder.tensor
+
+    def _release(self, key: tuple[object, int]) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.live[key]
+
+
+class _Saved:
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+
 def run_recipe_case(device: str, overrides: list[str]) -> dict[str, float]:
     """``multiloss.train`` on ``overrides``; the peak above the memory held at the first batch's start."""
     sys.path[:0] = [str(ROOT), str(ROOT / "src")]
@@ -114,10 +163,12 @@ def run_recipe_case(device: str, overrides: list[str]) -> dict[str, float]:
             f"+callbacks.meter._target_={__name__}.Meter.callback",
             output_dir=out,
         )
+        saved = SavedBytes()
         start = time.perf_counter()
-        train(cfg)
+        with saved.hooks():
+            train(cfg)
         seconds = time.perf_counter() - start
-    return {"peak": meter.peak_above(), "seconds": seconds}
+    return {"peak": meter.peak_above(), "saved": saved.peak, "seconds": seconds}
 
 
 def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> dict[str, float]:
@@ -135,14 +186,15 @@ def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> d
     head_nets = nn.ModuleList(nn.Linear(1024, 10) for _ in range(heads)).to(device)
     x = torch.randn(256, 256, device=device)
     y = torch.randint(0, 10, (256,), device=device)
-    meter = Meter(device)
+    meter, saved = Meter(device), SavedBytes()
     times = []
     for i in range(repeats + 1):
         if i == 1:
             meter.start()  # after a first step: allocator warm, gradients allocated
         start = time.perf_counter()
-        features = trunk(x)
-        losses = [F.cross_entropy(head(features), y) for head in head_nets]
+        with saved.hooks():
+            features = trunk(x)
+            losses = [F.cross_entropy(head(features), y) for head in head_nets]
         if summed:
             sum(losses).backward()
         else:
@@ -151,7 +203,7 @@ def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> d
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return {"peak": meter.peak_above(), "seconds": statistics.median(times[1:])}
+    return {"peak": meter.peak_above(), "saved": saved.peak, "seconds": statistics.median(times[1:])}
 
 
 # --- the driver: one subprocess per case ------------------------------------------------------------
@@ -173,8 +225,13 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def both(result: dict[str, float]) -> str:
+    """'saved for backward / process peak above the start', MiB."""
+    return f"{mib(result['saved'])} / {mib(result['peak'])}"
+
+
 def tbptt_law(device: str) -> None:
-    print("\n**TBPTT**: one batch of 4 sequences (pydoc text), peak memory above the start (MiB)\n")
+    print("\n**TBPTT**: one batch of 4 sequences (pydoc text); MiB saved for backward at most / peak above the start\n")
     print("| data.seq_len | chunk_length=32 (truncated) | chunk_length=seq_len (full BPTT) |")
     print("|---:|---:|---:|")
     for seq_len in SEQ_LENS:
@@ -183,18 +240,19 @@ def tbptt_law(device: str) -> None:
         chunks = seq_len // 32
         truncated = case(device, "recipe", *common, "model.chunk_length=32", f"trainer.max_steps={chunks}")
         full = (
-            mib(case(device, "recipe", *common, f"model.chunk_length={seq_len}", "trainer.max_steps=1")["peak"])
+            both(case(device, "recipe", *common, f"model.chunk_length={seq_len}", "trainer.max_steps=1"))
             if seq_len in FULL_BPTT_SEQ_LENS
             else "(not run)"
         )
-        print(f"| {seq_len} | {mib(truncated['peak'])} | {full} |", flush=True)
+        print(f"| {seq_len} | {both(truncated)} | {full} |", flush=True)
 
 
 def accumulation_law(device: str) -> None:
     print("\n**Accumulation**: 1024 examples per optimizer step as k micro-batches of 1024/k, MLP width 2048 depth 4,")
-    print("peak memory above the start (MiB; the gradients themselves, the same for every k, are in it)\n")
-    print("| k | micro-batch | peak MiB | vs k=1 |")
-    print("|---:|---:|---:|---:|")
+    print("MiB saved for backward at most (the activations) and peak above the start (gradients, the same for every k,")
+    print("included)\n")
+    print("| k | micro-batch | saved for backward | vs k=1 | peak above start |")
+    print("|---:|---:|---:|---:|---:|")
     first = None
     for k in ACCUMULATION_K:
         result = case(
@@ -207,13 +265,17 @@ def accumulation_law(device: str) -> None:
             "model.net.depth=4",
             "trainer.max_steps=3",
         )
-        first = first or result["peak"]
-        print(f"| {k} | {1024 // k} | {mib(result['peak'])} | {result['peak'] / first:.2f} |", flush=True)
+        first = first or result["saved"]
+        print(
+            f"| {k} | {1024 // k} | {mib(result['saved'])} | {result['saved'] / first:.3f} | {mib(result['peak'])} |",
+            flush=True,
+        )
 
 
 def heads_law(device: str) -> None:
     print("\n**Heads**: N heads on one trunk (6 × 1024 dense, batch 256): Σ losses, one backward vs N")
-    print("backward(retain_graph=True); forward + backward time (median of 5) and peak memory above the start\n")
+    print("backward(retain_graph=True); forward + backward time (median of 5);")
+    print("MiB saved for backward / peak above start\n")
     print("| N | summed ms | retain_graph ms | time ratio | summed MiB | retain_graph MiB |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in HEADS:
@@ -221,7 +283,7 @@ def heads_law(device: str) -> None:
         retained = case(device, "heads", str(n), "retained")
         print(
             f"| {n} | {summed['seconds'] * 1e3:.1f} | {retained['seconds'] * 1e3:.1f} "
-            f"| {retained['seconds'] / summed['seconds']:.2f}× | {mib(summed['peak'])} | {mib(retained['peak'])} |",
+            f"| {retained['seconds'] / summed['seconds']:.2f}× | {both(summed)} | {both(retained)} |",
             flush=True,
         )
 
