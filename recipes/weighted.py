@@ -213,6 +213,7 @@ class WeightedMultiTask(Recipe):
         self._write_plot()
 
     def on_train_end(self) -> None:
+        super().on_train_end()
         # Also here: a run stopped by max_steps mid-epoch never reaches on_train_epoch_end.
         self._write_plot()
 

@@ -68,3 +68,12 @@ def test_accumulation_writes_rows_on_optimizer_steps_with_every_micro_batch(make
     assert len(micro) == 12 and len(rows) == 2
     # A row every 3 optimizer steps = 6 micro-batches, each of them in it.
     assert rows == pytest.approx([sum(micro[:6]) / 6, sum(micro[6:]) / 6], rel=1e-6)
+
+
+def test_a_run_shorter_than_a_row_still_logs_its_losses(make_cfg, tmp_path):
+    run, metrics = _run(
+        make_cfg, tmp_path, "short", "recipe=multihead", "trainer.max_steps=3", "trainer.log_every_n_steps=50"
+    )
+    rows = _rows(run, "loss/total")
+    assert list(rows) == [3]  # one row at the end, the mean of the 3 steps
+    assert metrics["loss/total"] == pytest.approx(rows[3], rel=1e-6)

@@ -186,7 +186,7 @@ class Recipe(L.LightningModule):
         steps since the last log row, on the rows Lightning writes (every ``trainer.log_every_n_steps``
         optimizer steps; `log_train_values`): no host sync and no logging work in between.
         (Under DDP, rank zero's own micro-batches, as Lightning does without a collective per step.)
-        A subclass that overrides ``on_train_batch_end`` calls ``super().on_train_batch_end(...)``.
+        A subclass that overrides ``on_train_batch_end`` or ``on_train_end`` calls the base's too.
         Validation values are
         logged per epoch, as the mean over every rank's examples (`multiloss.metrics.EpochMeans`).
         Training values also go to the non-finite guard, unless ``report`` is false (already reported).
@@ -215,6 +215,10 @@ class Recipe(L.LightningModule):
         accumulating = self.automatic_optimization and self.trainer.fit_loop._should_accumulate()
         if connector.should_update_logs and not accumulating:
             self._log_windows()
+
+    def on_train_end(self) -> None:
+        # The steps since the last row (a run shorter than log_every_n_steps has no other row).
+        self._log_windows()
 
     def _log_windows(self) -> None:
         """Every window's means as one row to each logger, and into ``trainer.callback_metrics``.
