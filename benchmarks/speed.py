@@ -355,9 +355,7 @@ def run_plain(args: argparse.Namespace, recipe: str, out: Path, lightning: bool 
     if args.precision == "bf16-mixed":
         # As Lightning's bf16-mixed: no cast cache. With it, a weight used several times in a step (the
         # critic on real, fake and interpolated samples) sums its gradient in bf16 first: not the same numbers.
-        autocast = functools.partial(
-            torch.autocast, device_type=args.device, dtype=torch.bfloat16, cache_enabled=False
-        )
+        autocast = functools.partial(torch.autocast, device_type=args.device, dtype=torch.bfloat16, cache_enabled=False)
     else:
         autocast = contextlib.nullcontext
     step = STEPS[recipe](nets, cfg, device, autocast)

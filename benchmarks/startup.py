@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     median = statistics.median
     print(f"Machine: {platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}.\n")
-    print("| command | seconds (median of %d) |" % args.repeats)
+    print(f"| command | seconds (median of {args.repeats}) |")
     print("|---|---:|")
     torch_s = median(launch("-c", "import torch") for _ in range(args.repeats))
     print(f'| `python -c "import torch"` | {torch_s:.2f} |')
