@@ -160,6 +160,14 @@ class Recipe(L.LightningModule):
             )
         return self.optimizer_factory(self.parameters())
 
+    def configure_gradient_clipping(
+        self, optimizer: Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        # Lightning calls this every optimizer step; with no clipping value anywhere, nothing can change.
+        if gradient_clip_val is None and self.trainer.gradient_clip_val is None:
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def report_losses(self, losses: Mapping[str, torch.Tensor]) -> None:
         """Hand this training step's loss components to the non-finite guard (`log_losses` does it too).
 
