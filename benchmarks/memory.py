@@ -81,6 +81,9 @@ class Meter:
 class SavedBytes:
     """Bytes autograd keeps for backward (the activations), live and peak, each storage counted once.
 
+    Weights that an operation saves (a Linear keeps its weight for the input's gradient) are not
+    counted: they live anyway.
+
     Through ``torch.autograd.graph.saved_tensors_hooks``: the exact activation memory, on any device.
     (A benchmark only: with the hooks on, autograd stops checking saved tensors for in-place changes.)
     """
@@ -97,6 +100,8 @@ class SavedBytes:
     def pack(self, tensor):
         import weakref
 
+        if tensor.is_leaf and tensor.requires_grad:  # a weight saved for backward (Linear's): not an activation
+            return _Saved(tensor)
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
         entry = self.live.setdefault(key, [0, storage.nbytes()])
