@@ -100,7 +100,8 @@ class SavedBytes:
     def pack(self, tensor):
         import weakref
 
-        if tensor.is_leaf and tensor.requires_grad:  # a weight saved for backward (Linear's): not an activation
+        base = tensor if tensor._base is None else tensor._base
+        if base.is_leaf and base.requires_grad:  # a weight (or its transpose) saved for backward: not an activation
             return _Saved(tensor)
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
