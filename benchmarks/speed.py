@@ -11,7 +11,9 @@ Per recipe, one process runs, interleaved over ``--rounds`` rounds:
   object, initial weights, data loader (so the same order) and optimizer the recipe builds;
 - **off**: ``multiloss.train(cfg)`` with ``logger=none callbacks=none``, no progress bar, model
   summary or checkpointing (what multiloss always adds stays: RNG states, run record, non-finite guard, leak check);
-- **defaults**: ``multiloss.train(cfg)`` with the shipped logger and callbacks.
+- **defaults**: ``multiloss.train(cfg)`` with the shipped logger and callbacks;
+- **compiled** (``--modes ... compiled``): *off* with ``model.compile=true`` (``--compile`` instead
+  compiles every kind, the plain nets too).
 
 Validation is off in all three (``trainer.limit_val_batches=0``): this measures training. Time is
 the wall time from the end of batch ``--warmup`` to the end of batch ``--warmup + --batches``
@@ -319,9 +321,9 @@ def overrides(args: argparse.Namespace, recipe: str, mode: str) -> list[str]:
         "overwrite=true",
         *args.override,
     ]
-    if args.compile:
+    if args.compile or mode == "compiled":
         common.append("model.compile=true")
-    if mode == "off":
+    if mode in ("off", "compiled"):
         common += [
             "logger=none",
             "callbacks=none",
@@ -410,7 +412,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="batches before the timed window")
     parser.add_argument("--batches", type=int, default=0, help="timed batches per run (default: per recipe)")
     parser.add_argument(
-        "--modes", nargs="+", default=["lightning", "off", "defaults"], choices=("lightning", "off", "defaults")
+        "--modes",
+        nargs="+",
+        default=["lightning", "off", "defaults"],
+        choices=("lightning", "off", "defaults", "compiled"),
+        help="compiled: off with model.compile=true, against the eager plain loop",
     )
     parser.add_argument("--compile", action="store_true", help="model.compile=true (and torch.compile the plain nets)")
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides for every run")
@@ -472,7 +478,12 @@ def header(modes: list[str]) -> str:
     return "| " + " | ".join(names) + " |\n|---|" + "---:|" * (len(names) - 1)
 
 
-LABELS = {"lightning": "bare Lightning", "off": "multiloss, off", "defaults": "multiloss, defaults"}
+LABELS = {
+    "lightning": "bare Lightning",
+    "off": "multiloss, off",
+    "defaults": "multiloss, defaults",
+    "compiled": "multiloss, off, compiled",
+}
 
 
 def machine(args: argparse.Namespace) -> str:
