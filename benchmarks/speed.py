@@ -7,20 +7,24 @@
 
 Per recipe, one process runs, interleaved over ``--rounds`` rounds:
 
-- **plain**: the seeds' loop in plain PyTorch (below, one function per recipe) on the same network
+- **plain**: the seeds' loop in plain PyTorch (a `PlainStep` per recipe, below) on the same network
   object, initial weights, data loader (so the same order) and optimizer the recipe builds;
+- **lightning**: the same plain step, verbatim, as the manual step of a bare LightningModule under a
+  bare Trainer: what Lightning's own loop costs, the floor under every recipe;
 - **off**: ``multiloss.train(cfg)`` with ``logger=none callbacks=none``, no progress bar, model
-  summary or checkpointing (what multiloss always adds stays: RNG states, run record, non-finite guard, leak check);
+  summary or checkpointing (what multiloss always adds stays: RNG states, run record, non-finite
+  guard, leak check);
 - **defaults**: ``multiloss.train(cfg)`` with the shipped logger and callbacks;
 - **compiled** (``--modes ... compiled``): *off* with ``model.compile=true`` (``--compile`` instead
   compiles every kind, the plain nets too).
 
-Validation is off in all three (``trainer.limit_val_batches=0``): this measures training. Time is
-the wall time from the end of batch ``--warmup`` to the end of batch ``--warmup + --batches``
-(a batch is one ``training_step``: a micro-batch under accumulation, a whole sequence of chunks in
-tbptt), per batch; the table gives the median over rounds. Everything a batch costs is in it:
-loading, the step, hooks, logging, epoch ends. Peak memory is ``torch.cuda.max_memory_allocated``
-on CUDA, the largest resident set size seen at a batch end on CPU. ``max |Δw|`` compares every
+Validation is off in all (``trainer.limit_val_batches=0``): this measures training. Each run notes
+the time at the end of every batch (a batch is one ``training_step``: a micro-batch under
+accumulation, a whole sequence of chunks in tbptt) from batch ``--warmup`` on, for ``--batches``
+batches. "ms" is the median batch of a run (robust to a noisy machine), "all batches" the mean,
+log rows and epoch ends (loader restarts, epoch-end hooks) included; both are medians over the
+rounds, and ratios are to the plain loop's. Peak memory is ``torch.cuda.max_memory_allocated`` on
+CUDA, the largest resident set size seen at a batch end on CPU. ``max abs Δw`` compares every
 weight after the last timed batch with the plain loop's: 0 means the same arithmetic, bit for bit.
 
 A benchmark, not a test: timings move with the machine's load; read the ratios, rerun to compare.
