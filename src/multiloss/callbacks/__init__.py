@@ -4,6 +4,7 @@ from multiloss.callbacks.checkpoint import Checkpoint
 from multiloss.callbacks.leaks import GraphLeakDetector
 from multiloss.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from multiloss.callbacks.plots import LossCurves, read_metrics
+from multiloss.callbacks.progress import ProgressBar
 from multiloss.callbacks.rng import RngState
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "LossCurves",
     "NonFiniteError",
     "NonFiniteGuard",
+    "ProgressBar",
     "RngState",
     "read_metrics",
 ]
