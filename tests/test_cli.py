@@ -47,6 +47,8 @@ def test_help_lists_every_recipe_with_its_description():
     for name in RECIPES:
         assert f"recipe={name}" in proc.stdout
     assert "Deep supervision: several classification heads" in proc.stdout  # multihead's docstring, first line
+    for group in ("net:", "logger:", "hydra/launcher: slurm", "local: configs/local/default.yaml"):
+        assert group in proc.stdout, group
 
 
 def test_help_imports_neither_torch_nor_lightning():

@@ -85,3 +85,15 @@ def test_a_component_option_selects_the_whole_node(tmp_path):
     assert set(cfg.model.discriminator) == {"_target_", "in_features", "out_features", "width", "depth"}  # default
     cfg = testing.compose("recipe=weighted", "tasks=shapes", config_dir=examples, output_dir=tmp_path)
     assert set(cfg.model.tasks) == {"shape", "big", "area"}
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "tbptt"])
+def test_debug_fast_runs_validation_too(make_cfg, tmp_path, recipe):
+    """debug=fast: a few steps of everything, validation included, though 10 steps end before any epoch."""
+    from multiloss import train
+
+    extra = ("data.seq_len=64",) if recipe == "tbptt" else ()
+    metrics = train(make_cfg(f"recipe={recipe}", "debug=fast", "trainer.accelerator=cpu", *extra, output_dir=tmp_path))
+    assert any(name.startswith("val/") for name in metrics), sorted(metrics)
+    header = next((tmp_path / "csv").rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    assert any(col.startswith("val/") for col in header)
