@@ -23,7 +23,20 @@ def finished_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "run"
     proc = run_cli("recipe=multihead", "trainer.max_steps=30", f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    SAID["finished_run"] = proc.stdout
     return out
+
+
+SAID: dict[str, str] = {}  # what the shared run printed
+
+
+def test_run_ends_with_a_summary_of_final_values_and_outputs(finished_run):
+    said = SAID["finished_run"]
+    summary = said[said.index("multiloss: final values") :]
+    for name in ("loss/head0", "loss/head1", "loss/head2", "loss/total", "val/acc"):
+        assert name in summary, name
+    assert f"multiloss: outputs in {finished_run}" in summary
+    assert f"ckpt_path={finished_run / 'checkpoints/last.ckpt'}" in summary
 
 
 def test_run_writes_the_contract_outputs(finished_run):
