@@ -58,10 +58,10 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
 
 
 def run_cli(
-    *args: str, cwd: Path = ROOT, timeout: float = 300, python_flags: tuple[str, ...] = ()
+    *args: str, cwd: Path = ROOT, timeout: float = 300, python_flags: tuple[str, ...] = (), warnings: str = "ignore"
 ) -> subprocess.CompletedProcess:
-    """``python [python_flags] train.py <args>`` in a subprocess, as a user runs it."""
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore"}
+    """``python [python_flags] train.py <args>`` in a subprocess, as a user runs it (``PYTHONWARNINGS=warnings``)."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": warnings}
     return subprocess.run(
         [sys.executable, *python_flags, str(ROOT / "train.py"), *args],
         cwd=cwd,

@@ -128,3 +128,26 @@ def test_a_sweep_runs_without_naming_its_sweep_dir(tmp_path):
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     for job in ("0", "1"):
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_run_is_quiet_about_known_third_party_noise(tmp_path):
+    proc = run_cli("recipe=gan", "trainer.max_steps=4", *QUICK_CLI, f"hydra.run.dir={tmp_path}", warnings="default")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    for noise in ("💡 Tip", "litlogger", "set_vital", "LeafSpec"):
+        assert noise not in said, noise
+
+
+def test_other_warnings_still_show():
+    import warnings
+
+    from multiloss.quiet import silence_known_noise
+
+    silence_known_noise()
+    with pytest.warns(UserWarning, match="a real one"):
+        warnings.warn("a real one", UserWarning, stacklevel=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        silence_known_noise()
+        warnings.warn("'set_vital' is deprecated, please do not call", UserWarning, stacklevel=1)
+    assert not caught

@@ -11,6 +11,12 @@ from tests.conftest import ONE_CPU_NO_VAL
 
 class CountingBar(ProgressBar):
     updated: ClassVar[list[int]] = []  # batch_idx of every update the bar took
+    shown: ClassVar[set[str]] = set()  # every metric name the bar showed
+
+    def get_metrics(self, trainer, pl_module):
+        items = super().get_metrics(trainer, pl_module)
+        CountingBar.shown |= set(items)
+        return items
 
     def _update_metrics(self, trainer, pl_module) -> None:
         if trainer.training and not trainer.sanity_checking:
@@ -26,6 +32,7 @@ def test_bar_updates_at_its_rate_and_at_every_epoch_end(make_cfg, tmp_path):
         "callbacks=default",
         "~callbacks.lr_monitor",
         "~callbacks.loss_curves",
+        "trainer.limit_val_batches=2",
         "callbacks.progress_bar._target_=tests.test_progress.CountingBar",
         "callbacks.progress_bar.refresh_rate=1",
         "trainer.enable_progress_bar=true",
@@ -39,3 +46,4 @@ def test_bar_updates_at_its_rate_and_at_every_epoch_end(make_cfg, tmp_path):
     # epoch's last batch among them (epoch-end hooks add their own).
     assert len(CountingBar.updated) < batches
     assert CountingBar.updated.count(batches - 1) >= 2
+    assert CountingBar.shown and "v_num" not in CountingBar.shown  # the CSV logger's version is not a metric

@@ -16,6 +16,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     import rich.console
     import rich.markup
 
+    from multiloss.quiet import silence_known_noise
+
+    silence_known_noise()  # before Lightning and torchdata are imported: some warn at import or first use
     from multiloss.callbacks import NonFiniteError
     from multiloss.checkpoints import CheckpointWriteError
     from multiloss.config import ConfigError

@@ -16,7 +16,7 @@ class ProgressBar(RichProgressBar):
     collection) after every batch, whatever ``refresh_rate`` says about drawing: on a model whose
     step takes a millisecond that is a third of the step. Here a batch ending less than
     ``1 / refresh_rate`` s after the last update leaves the bar alone; an epoch's last batch
-    always updates it.
+    always updates it. The logger's version number (``v_num``) is not shown.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -31,3 +31,9 @@ class ProgressBar(RichProgressBar):
             return
         self._next_update = now + 1 / max(self.refresh_rate, 1)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        # Without the logger's version number ("v_num: 0.000"), which says nothing about the run.
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
