@@ -137,6 +137,9 @@ def step_gradients(
         "num_sanity_val_steps": 0,
         "limit_val_batches": 0,
         "use_distributed_sampler": False,
+        # A recipe's artifacts (tbptt's samples, accumulation's lr_scaling.json) go to a temporary dir,
+        # not into the working directory.
+        "default_root_dir": tempfile.mkdtemp(prefix="multiloss-steps-"),
         **trainer_kwargs,
     }
     L.Trainer(callbacks=[capture, *callbacks], **settings).fit(module, datamodule=datamodule)
