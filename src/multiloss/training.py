@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,8 @@ from multiloss.console import print_config_tree, save_run_config
 from multiloss.distributed import multiloss_ddp
 from multiloss.pitfalls import explain
 from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
+
+log = logging.getLogger("multiloss")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -111,6 +114,15 @@ class RunRecord(L.Callback):
             check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
             self.lock = acquire_lock(out)
         save_run_config(self.cfg, self.cfg.paths.output_dir)
+        # Through Python's logging: under Hydra, also the first line of this rank's <run dir>/train.log
+        # (opened only now, so a run rejected earlier leaves no log behind).
+        log.info(
+            "training %s on rank %d of %d into %s",
+            type(pl_module).__name__,
+            trainer.global_rank,
+            trainer.world_size,
+            self.cfg.paths.output_dir,
+        )
         if self.cfg.get("print_config", True):
             print_config_tree(self.cfg)
         for lg in trainer.loggers:
