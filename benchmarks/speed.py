@@ -57,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from hydra.utils import get_method, instantiate  # noqa: E402
 
 from multiloss.batches import as_dict  # noqa: E402
-from multiloss.testing import compose  # noqa: E402
+from multiloss.testing import bare_trainer, compose  # noqa: E402
 from multiloss.training import build_data_and_model, train  # noqa: E402
 
 RECIPES = ("multihead", "weighted", "gan", "tbptt", "accumulation")
@@ -367,18 +367,8 @@ def run_plain(args: argparse.Namespace, recipe: str, out: Path, lightning: bool 
     step = STEPS[recipe](nets, cfg, device, autocast)
     if lightning:
         bare = BareLightning(step, window)
-        trainer = L.Trainer(
-            accelerator="gpu" if args.device == "cuda" else "cpu",
-            devices=1,
-            max_epochs=-1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            use_distributed_sampler=False,
-            callbacks=[_WindowStart(window)],
+        trainer = bare_trainer(
+            accelerator="gpu" if args.device == "cuda" else "cpu", max_epochs=-1, callbacks=[_WindowStart(window)]
         )
         trainer.fit(bare, datamodule=datamodule)
     else:

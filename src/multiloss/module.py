@@ -80,7 +80,7 @@ class Recipe(L.LightningModule):
             self.compile_in_place()
 
     def compile_in_place(self) -> dict[str, str]:
-        """``torch.compile`` the forward of each component in `compilable` (``nn.Module.compile``).
+        """``torch.compile`` each of `components` that `not_compilable` lets through (``nn.Module.compile``).
 
         In place: names, state_dict keys and checkpoints stay as without it. Returns what was not
         compiled and why (also said once on the console).
@@ -195,8 +195,8 @@ class Recipe(L.LightningModule):
         optimizer steps; `log_train_values`): no host sync and no logging work in between.
         (Under DDP, rank zero's own micro-batches, as Lightning does without a collective per step.)
         A subclass that overrides ``on_train_batch_end`` or ``on_train_end`` calls the base's too.
-        Validation values are
-        logged per epoch, as the mean over every rank's examples (`multiloss.metrics.EpochMeans`).
+        Validation values are logged per epoch, as the mean over every rank's examples
+        (`multiloss.metrics.EpochMeans`).
         Training values also go to the non-finite guard, unless ``report`` is false (already reported).
         """
         if not self.training:

@@ -126,10 +126,19 @@ def step_gradients(
     """
     initial = copy.deepcopy(module.state_dict())
     capture = GradientCapture()
+    bare_trainer(max_steps=steps, callbacks=[capture, *callbacks], **trainer_kwargs).fit(module, datamodule=datamodule)
+    module.load_state_dict(initial)
+    return capture.steps
+
+
+def bare_trainer(**overrides: Any) -> L.Trainer:
+    """A Trainer with nothing beside the training loop: one CPU process, no validation, logging,
+    checkpoints, progress bar or summary, and the recipe's artifacts (tbptt's samples, accumulation's
+    ``lr_scaling.json``) in a temporary dir rather than the working directory. ``overrides`` are
+    Trainer arguments (``max_steps=1``, ``gradient_clip_val=1e-3``, ``callbacks=[...]``)."""
     settings: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,
-        "max_steps": steps,
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,
@@ -137,14 +146,10 @@ def step_gradients(
         "num_sanity_val_steps": 0,
         "limit_val_batches": 0,
         "use_distributed_sampler": False,
-        # A recipe's artifacts (tbptt's samples, accumulation's lr_scaling.json) go to a temporary dir,
-        # not into the working directory.
         "default_root_dir": tempfile.mkdtemp(prefix="multiloss-steps-"),
-        **trainer_kwargs,
+        **overrides,
     }
-    L.Trainer(callbacks=[capture, *callbacks], **settings).fit(module, datamodule=datamodule)
-    module.load_state_dict(initial)
-    return capture.steps
+    return L.Trainer(**settings)
 
 
 def assert_gradients_close(

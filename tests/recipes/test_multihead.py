@@ -98,23 +98,9 @@ def test_a_net_that_breaks_the_contract_is_rejected_before_any_write(make_cfg, t
 
 def test_trainer_gradient_clipping_still_clips(make_cfg):
     # The recipes skip Lightning's clipping hook only when no clipping value is set anywhere.
-    import lightning as L
-
     cfg = make_cfg("recipe=multihead", *BARE, "optimizer=sgd", "model.optimizer.lr=1.0", "trainer.max_steps=1")
     datamodule, model = testing.build(cfg)
     before = [p.detach().clone() for p in model.parameters()]
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        gradient_clip_val=1e-3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-    ).fit(model, datamodule=datamodule)
+    testing.bare_trainer(max_steps=1, gradient_clip_val=1e-3).fit(model, datamodule=datamodule)
     moved = torch.linalg.vector_norm(torch.stack([(p - b).norm() for p, b in zip(model.parameters(), before)]))
     assert 0 < moved <= 1e-3 * (1 + 1e-4)  # one SGD step of lr 1 on a gradient clipped to norm 1e-3
