@@ -57,7 +57,7 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     import rich.console
     import rich.table
 
-    table = rich.table.Table(title="multiloss: final values", title_justify="left", show_edge=False, box=None)
+    table = rich.table.Table(show_edge=False, box=None)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name in sorted(metrics, key=lambda n: (not n.startswith("loss/"), n)):
@@ -65,6 +65,7 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     out = Path(cfg.paths.output_dir)
     console = rich.console.Console(highlight=False)
     if metrics:
+        console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
     last = out / "checkpoints" / "last.ckpt"
     resume = f"; resume: ckpt_path={last}" if last.is_file() else ""

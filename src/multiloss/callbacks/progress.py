@@ -15,8 +15,8 @@ class ProgressBar(RichProgressBar):
     The stock bar updates its task and re-reads the logged metrics (a walk over Lightning's result
     collection) after every batch, whatever ``refresh_rate`` says about drawing: on a model whose
     step takes a millisecond that is a third of the step. Here a batch ending less than
-    ``1 / refresh_rate`` s after the last update leaves the bar alone; an epoch's last batch
-    always updates it. The logger's version number (``v_num``) is not shown.
+    ``1 / refresh_rate`` s after the last update leaves the bar alone; an epoch's last batch and
+    the run's last (``max_steps``, a stop) always update it. The logger's version number (``v_num``) is not shown.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -27,7 +27,12 @@ class ProgressBar(RichProgressBar):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.monotonic()
-        if now < self._next_update and batch_idx + 1 < trainer.num_training_batches:
+        last = (
+            batch_idx + 1 >= trainer.num_training_batches
+            or 0 < trainer.max_steps <= trainer.global_step
+            or trainer.should_stop
+        )
+        if now < self._next_update and not last:
             return
         self._next_update = now + 1 / max(self.refresh_rate, 1)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
