@@ -192,9 +192,11 @@ class Accumulation(Recipe):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)
         logits = self(batch["x"])
-        self.log_losses({"total": F.cross_entropy(logits, batch["y"])}, prefix="val/loss/", batch_size=len(batch["y"]))
+        self.log_losses(
+            {"total": F.cross_entropy(logits, batch["y"])}, prefix=f"{self.stage}/loss/", batch_size=len(batch["y"])
+        )
         self.val_acc(logits, batch["y"])
-        self.log("val/acc", self.val_acc, on_epoch=True, prog_bar=True)
+        self.log(f"{self.stage}/acc", self.val_acc, on_epoch=True, prog_bar=True)
 
     def on_train_epoch_end(self) -> None:
         if self.trainer.is_global_zero and self.scaling:

@@ -384,7 +384,7 @@ class GAN(Recipe):
         z = torch.randn(len(real), self.latent_dim, generator=self._eval_noise, device=self.device)
         fake = self.generator(z)
         losses = {"d": self.discriminator_losses(real, fake)["d"], "g": self.generator_loss(fake)}
-        self.epoch_means.log(self, losses, "val/loss/", len(real))
+        self.epoch_means.log(self, losses, f"{self.stage}/loss/", len(real))
         if self.mode_coverage is not None:
             self.mode_coverage.update(fake)
 
@@ -394,8 +394,8 @@ class GAN(Recipe):
         # Every rank calls compute() (it gathers the states), whatever its own number of batches.
         scores = self.mode_coverage.compute()
         self.mode_coverage.reset()
-        self.log("val/modes", scores["modes"], prog_bar=True, sync_dist=True)  # equal on all ranks already
-        self.log("val/high_quality", scores["high_quality"], prog_bar=True, sync_dist=True)
+        self.log(f"{self.stage}/modes", scores["modes"], prog_bar=True, sync_dist=True)  # equal on all ranks already
+        self.log(f"{self.stage}/high_quality", scores["high_quality"], prog_bar=True, sync_dist=True)
 
     # --- artifacts ------------------------------------------------------------------------------
 

@@ -131,8 +131,8 @@ class MultiHead(Recipe):
         batch = self.named_batch(batch)
         logits = self.net(batch["x"])
         losses = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(logits)}
-        self.log_losses(losses, prefix="val/loss/", batch_size=len(batch["y"]))
+        self.log_losses(losses, prefix=f"{self.stage}/loss/", batch_size=len(batch["y"]))
         for i, (out, acc) in enumerate(zip(logits, self.val_acc)):
             acc(out, batch["y"])
-            self.log(f"val/acc/head{i}", acc, on_epoch=True)
-        self.log("val/acc", self.val_acc[-1], on_epoch=True, prog_bar=True)
+            self.log(f"{self.stage}/acc/head{i}", acc, on_epoch=True)
+        self.log(f"{self.stage}/acc", self.val_acc[-1], on_epoch=True, prog_bar=True)

@@ -287,10 +287,10 @@ class TruncatedBPTT(Recipe):
         logits, _ = self.net(batch["x"], None)
         ce = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
         n_tokens = batch["y"].numel()
-        self.log_losses({"ce": ce}, prefix="val/loss/", batch_size=n_tokens)
+        self.log_losses({"ce": ce}, prefix=f"{self.stage}/loss/", batch_size=n_tokens)
         # Weighted by tokens, reduced over ranks by torchmetrics: the exact mean over the slice.
         self.val_bpc.update(ce / LN2, weight=n_tokens)
-        self.log("val/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
+        self.log(f"{self.stage}/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
 
     # ------------------------------------------------------------------ sample
 

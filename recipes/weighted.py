@@ -192,11 +192,11 @@ class WeightedMultiTask(Recipe):
         batch = self.named_batch(batch)
         outputs, per_task = self.task_losses_of(batch)
         total = sum(t.weight * per_task[name] for name, t in self.tasks.items())
-        self.log_losses({**per_task, "total": total}, prefix="val/loss/", batch_size=len(batch["x"]))
+        self.log_losses({**per_task, "total": total}, prefix=f"{self.stage}/loss/", batch_size=len(batch["x"]))
         for name, metric in self.task_metrics.items():
             task = self.tasks[name]
             metric(self._metric_input(task, outputs[name]), batch[task.target])
-            self.log(f"val/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
+            self.log(f"{self.stage}/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking or not self.task_metrics:

@@ -14,15 +14,15 @@ import functools
 import lightning as L
 import pytest
 import torch
+from multiloss.recipes.accumulation import Accumulation
+from multiloss.recipes.gan import GAN
+from multiloss.recipes.multihead import MultiHead
+from multiloss.recipes.tbptt import TruncatedBPTT
+from multiloss.recipes.weighted import WeightedMultiTask
 from torch.utils.data import DataLoader, TensorDataset
 
 from multiloss import ConfigError, testing, train
 from multiloss.nets import MLP, DeepSupervisionMLP
-from recipes.accumulation import Accumulation
-from recipes.gan import GAN
-from recipes.multihead import MultiHead
-from recipes.tbptt import TruncatedBPTT
-from recipes.weighted import WeightedMultiTask
 from tests.conftest import SMALL_GAN
 
 SHORT = ("trainer.accelerator=cpu", "trainer.max_steps=3", "trainer.limit_val_batches=1")

@@ -68,7 +68,7 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
 
 def test_the_default_composes_to_the_multihead_recipe(make_cfg):
     cfg = make_cfg(quiet=False)
-    assert cfg.model._target_ == "recipes.multihead.MultiHead"
+    assert cfg.model._target_ == "multiloss.recipes.multihead.MultiHead"
     assert cfg.model.net._target_ == "multiloss.nets.DeepSupervisionMLP"
     assert cfg.model.optimizer._partial_ is True
     assert cfg.trainer.use_distributed_sampler is False

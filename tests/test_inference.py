@@ -15,11 +15,11 @@ from multiloss import testing, train
 from tests.conftest import ONE_CPU_NO_VAL, SMALL_GAN
 
 CASES = {
-    "multihead": ("recipes.multihead.MultiHead", ()),
-    "weighted": ("recipes.weighted.WeightedMultiTask", ()),
-    "accumulation": ("recipes.accumulation.Accumulation", ()),
-    "tbptt": ("recipes.tbptt.TruncatedBPTT", ("data.seq_len=32", "data.batch_size=8")),
-    "gan": ("recipes.gan.GAN", (*SMALL_GAN, "model.n_plot_samples=0")),
+    "multihead": ("multiloss.recipes.multihead.MultiHead", ()),
+    "weighted": ("multiloss.recipes.weighted.WeightedMultiTask", ()),
+    "accumulation": ("multiloss.recipes.accumulation.Accumulation", ()),
+    "tbptt": ("multiloss.recipes.tbptt.TruncatedBPTT", ("data.seq_len=32", "data.batch_size=8")),
+    "gan": ("multiloss.recipes.gan.GAN", (*SMALL_GAN, "model.n_plot_samples=0")),
 }
 
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from multiloss.recipes.multihead import MultiHead
+from multiloss.recipes.weighted import WeightedMultiTask
 
 from multiloss import train
 from multiloss.nets import DeepSupervisionMLP
 from multiloss.pitfalls import explanation
-from recipes.multihead import MultiHead
-from recipes.weighted import WeightedMultiTask
 
 SMALL = ("model.net.width=16", "trainer.accelerator=cpu", "trainer.max_steps=3", "trainer.limit_val_batches=0")
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiloss.recipes.accumulation import Accumulation
+from multiloss.recipes.gan import GAN
+from multiloss.recipes.multihead import MultiHead
+from multiloss.recipes.tbptt import TruncatedBPTT
+from multiloss.recipes.weighted import WeightedMultiTask
 from mypkg.data import write_all
 
 from multiloss import testing, train
-from recipes.accumulation import Accumulation
-from recipes.gan import GAN
-from recipes.multihead import MultiHead
-from recipes.tbptt import TruncatedBPTT
-from recipes.weighted import WeightedMultiTask
 
 EXAMPLES = Path(__file__).resolve().parents[1]
 ROOT = EXAMPLES.parent

@@ -1,20 +1,78 @@
-"""What ``python train.py`` does with a composed config: run it, or print a user error cleanly.
+"""The commands: ``multiloss-train`` (= ``python train.py``) and ``multiloss-eval`` (= ``python eval.py``).
 
-Torch and Lightning are imported inside `run`, once Hydra has a config to run: ``--help``,
+Both compose the config tree that ships inside the package (``pkg://multiloss.configs``: the
+repository's ``configs/``), so they work from any directory; ``--config-dir`` adds a user's own
+options. Torch and Lightning are imported inside `run`, once Hydra has a config to run: ``--help``,
 ``--cfg job`` and config errors found while composing never pay for them. A finished run ends with
 a summary: every final value and where the outputs are (rank zero only).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
 from omegaconf import DictConfig
 
+CONFIGS = "pkg://multiloss.configs"
 
-def run(cfg: DictConfig) -> dict[str, float]:
+
+def train_main() -> None:
+    """``multiloss-train [overrides]``: what ``python train.py`` does."""
+    _hydra_main("train", train_task)()
+
+
+def eval_main() -> None:
+    """``multiloss-eval ckpt_path=<file> [overrides]``: validate (and test) a checkpoint, print its metrics.
+
+    The training run's own overrides (stored in the checkpoint, or in its run dir's
+    ``.hydra/overrides.yaml``) come first, so ``recipe=``, ``net=``, ``data=`` need not be repeated;
+    what the command line gives wins.
+    """
+    from multiloss.evaluation import with_training_overrides
+
+    sys.argv = [sys.argv[0], *with_training_overrides(sys.argv[1:])]
+    _hydra_main("eval", eval_task)()
+
+
+def _hydra_main(config_name: str, task: Callable[[DictConfig], object]) -> Callable[[], object]:
+    import hydra
+
+    return hydra.main(version_base="1.3", config_path=CONFIGS, config_name=config_name)(task)
+
+
+def train_task(cfg: DictConfig) -> dict[str, float] | float:
+    """One Hydra job of ``multiloss-train``: the final metrics, or ``optimized_metric``'s value for a sweeper."""
+    from multiloss.training import train
+
+    metrics = run(train, cfg)
+    return optimized_value(metrics, cfg.get("optimized_metric"))
+
+
+def eval_task(cfg: DictConfig) -> dict[str, float]:
+    from multiloss.evaluation import evaluate
+
+    return run(evaluate, cfg)
+
+
+def optimized_value(metrics: dict[str, float], name: str | None) -> dict[str, float] | float:
+    """``metrics[name]`` as a float (what Hydra's Optuna sweeper needs), or every metric when no name is set."""
+    if name is None:
+        return metrics
+    if name not in metrics:
+        from multiloss.config import ConfigError
+
+        # Known only once the run has logged: the checkpoints are kept, the sweep learns why.
+        err = ConfigError("optimized_metric", name, f"one of the run's final metrics: {', '.join(sorted(metrics))}")
+        _print_error("config error", err.message)
+        raise SystemExit(2)
+    return float(metrics[name])
+
+
+def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict[str, float]:
+    """``task(cfg)`` quietly, a user's mistake as one line (exit 2), and the end-of-run summary."""
     import logging
-
-    import rich.console
-    import rich.markup
 
     from multiloss.quiet import silence_known_noise
 
@@ -22,7 +80,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from multiloss.callbacks import NonFiniteError
     from multiloss.checkpoints import CheckpointWriteError
     from multiloss.config import ConfigError
-    from multiloss.training import train
 
     # Imported after Hydra set up logging, Lightning does not add its own console handler and its
     # lines go through Hydra's (into a run dir's train.log, even a rejected run's): set it up as
@@ -33,15 +90,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
             lightning_log.addHandler(logging.StreamHandler())
             lightning_log.propagate = False
 
-    console = rich.console.Console(stderr=True, highlight=False)
     try:
-        metrics = train(cfg)
+        metrics = task(cfg)
     except ConfigError as err:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
-        console.print(f"[bold red]multiloss: config error:[/] {rich.markup.escape(err.message)}", soft_wrap=True)
+        _print_error("config error", err.message)
         raise SystemExit(2) from None
     except (CheckpointWriteError, NonFiniteError) as err:
-        console.print(f"[bold red]multiloss: run stopped:[/] {rich.markup.escape(str(err))}", soft_wrap=True)
+        _print_error("run stopped", str(err))
         raise SystemExit(1) from None
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -50,10 +106,16 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def _print_error(kind: str, message: str) -> None:
+    import rich.console
+    import rich.markup
+
+    console = rich.console.Console(stderr=True, highlight=False)
+    console.print(f"[bold red]multiloss: {kind}:[/] {rich.markup.escape(message)}", soft_wrap=True)
+
+
 def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     """The end of a run: every final value (the last row's training losses, the last validation) and the run dir."""
-    from pathlib import Path
-
     import rich.console
     import rich.table
 

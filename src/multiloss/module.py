@@ -100,6 +100,22 @@ class Recipe(L.LightningModule):
         """Why component ``name`` must stay eager under ``compile=true`` ('' if it can be compiled)."""
         return ""
 
+    # --- evaluation: the test stage is the validation step on the test set ---------------------
+
+    @property
+    def stage(self) -> str:
+        """The prefix of evaluation metrics: ``test`` under ``trainer.test`` (``multiloss-eval``), else ``val``."""
+        return "test" if self._trainer is not None and self._trainer.testing else "val"
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    def on_test_epoch_end(self) -> None:
+        self.on_validation_epoch_end()
+
     def named_batch(self, batch: Any) -> dict[str, Any]:
         """``batch`` as a dict (`multiloss.batches.as_dict`), checked against the components if that has not happened.
 

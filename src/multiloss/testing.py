@@ -41,7 +41,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
+from hydra import initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig, open_dict
@@ -52,22 +52,29 @@ from multiloss.training import build_data_and_model
 
 Gradients = dict[str, torch.Tensor | None]
 
-# The repository's Hydra tree (what `python train.py` composes).
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The Hydra tree `multiloss-train` (`python train.py`) composes: the repository's configs/, installed
+# as this package.
+CONFIG_MODULE = "multiloss.configs"
 
 
 # --- composing and building, as `python train.py` does ----------------------------------------------
 
 
-def compose(*overrides: str, config_dir: str | Path | None = None, output_dir: str | Path | None = None) -> DictConfig:
+def compose(
+    *overrides: str,
+    config_dir: str | Path | None = None,
+    output_dir: str | Path | None = None,
+    config_name: str = "train",
+) -> DictConfig:
     """The config ``python train.py [--config-dir config_dir] <overrides>`` composes, run dir ``output_dir``.
 
     ``config_dir`` adds a directory of your own options (``net/my_cnn.yaml``, ...) to Hydra's search
     path, as ``--config-dir`` does. ``output_dir`` defaults to a fresh temporary directory.
+    ``config_name="eval"``: what ``python eval.py`` composes (without the checkpoint's own overrides).
     """
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir is not None else []
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=[*extra, *overrides], return_hydra_config=True)
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        cfg = hydra_compose(config_name, overrides=[*extra, *overrides], return_hydra_config=True)
     out = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="multiloss-"))
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(out)

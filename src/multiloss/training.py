@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -19,6 +20,7 @@ from multiloss.checkpoints import AtomicCheckpointIO, verify_checkpoint
 from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
 from multiloss.distributed import multiloss_ddp
+from multiloss.evaluation import CONFIG_DIRS_KEY, OVERRIDES_KEY, SPLIT_KEY, SPLIT_KEYS
 from multiloss.pitfalls import explain
 from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
 
@@ -33,21 +35,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     check_config(cfg)
     datamodule, model = build_data_and_model(cfg)
-    # Always there: RngState (exact resume is part of the contract of `ckpt_path=`), RunRecord (the
-    # run's config copies, once fit() has checked the components on a batch of the data), the
-    # non-finite guard (nothing NaN trains on silently or reaches a checkpoint), the graph-leak
-    # detector (a graph kept from step to step, over the first batches).
-    callbacks = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
+    # Besides the config's callbacks, always there: RngState (exact resume is part of the contract of
+    # `ckpt_path=`), RunRecord (the run's config copies, once fit() has checked the components on a
+    # batch of the data), the non-finite guard (nothing NaN trains on silently or reaches a
+    # checkpoint), the graph-leak detector (a graph kept from step to step, over the first batches).
     record = RunRecord(cfg)
-    callbacks += [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
-    loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
-    # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
-    plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
-    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
-    # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
-    # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
-    if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
-        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
+    trainer = build_trainer(
+        cfg, [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
+    )
     # Settings only the recipe can judge against the built Trainer (e.g. trainer.gradient_clip_val
     # under manual optimization): rejected here, before any file is written.
     if callable(check := getattr(model, "check_trainer", None)):
@@ -69,6 +64,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
             raise
         raise _lightning_said("trainer", cfg.trainer, err) from None
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def build_trainer(
+    cfg: DictConfig, callbacks: list[L.Callback], leave_out: tuple[type[L.Callback], ...] = ()
+) -> L.Trainer:
+    """The Trainer of ``cfg.trainer`` with the config's callbacks (but those of a ``leave_out`` type) and loggers."""
+    configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
+    callbacks = [c for c in configured if not isinstance(c, leave_out)] + callbacks
+    loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
+    # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
+    plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
+    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
+    # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
+    # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
+    if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
+        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
+    return trainer
 
 
 def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
@@ -104,6 +116,10 @@ class RunRecord(L.Callback):
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        # Stored in every checkpoint: `multiloss-eval ckpt_path=...` rebuilds the same recipe from them.
+        self.overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
+        self.config_dirs = [s.path for s in sources if s.schema == "file" and s.provider != "main"]
         self.lock: Path | None = None
         self.started = False  # training began: errors from here on are not about the config
 
@@ -127,6 +143,11 @@ class RunRecord(L.Callback):
             print_config_tree(self.cfg)
         for lg in trainer.loggers:
             lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[OVERRIDES_KEY] = self.overrides
+        checkpoint[CONFIG_DIRS_KEY] = self.config_dirs
+        checkpoint[SPLIT_KEY] = {k: self.cfg.data[k] for k in SPLIT_KEYS if k in self.cfg.data}
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         release_lock(self.lock)

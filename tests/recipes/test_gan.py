@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from hydra.utils import instantiate
+from multiloss.recipes.gan import gradient_penalty
 
 from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
@@ -22,7 +23,6 @@ from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
 from multiloss.metrics import ModeCoverage
 from multiloss.nets import MLP
 from multiloss.testing import assert_gradients_close
-from recipes.gan import gradient_penalty
 from tests.conftest import BARE, SMALL_GAN, load_weights
 from tests.helpers import straight_and_resumed
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from multiloss.recipes.tbptt import TruncatedBPTT
 from omegaconf import OmegaConf
 
 from multiloss import ConfigError, testing, train
 from multiloss.data.text import TextDataModule, Vocabulary, pydoc_text
 from multiloss.testing import GradientCapture, assert_gradients_close
-from recipes.tbptt import TruncatedBPTT
 from tests.conftest import load_weights, run_cli
 from tests.helpers import straight_and_resumed
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from multiloss.recipes.weighted import weighted_backward
 
 from multiloss import testing, train
 from multiloss.config import ConfigError
 from multiloss.testing import assert_gradients_close
-from recipes.weighted import weighted_backward
 from tests.conftest import BARE
 from tests.helpers import straight_and_resumed
 

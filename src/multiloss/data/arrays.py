@@ -43,9 +43,13 @@ class ArrayDataModule(L.LightningDataModule):
     """Base for data that fits in memory: subclasses implement `load` and return named tensors.
 
     Batches are dicts of those names (``batch["x"]``, ``batch["y"]``). ``batch_size`` is per rank.
+    ``test_fraction`` holds examples out for ``multiloss-eval``'s test (default 0: no test set); they
+    come off the training examples' end of a fixed permutation, so the validation set and, at 0, the
+    training set stay what they were.
 
     Raises:
-        ConfigError: ``batch_size`` < 1, ``num_workers`` < 0, ``val_fraction`` outside [0, 1).
+        ConfigError: ``batch_size`` < 1, ``num_workers`` < 0, ``val_fraction`` or ``test_fraction``
+            outside [0, 1), or the two leaving no training example.
     """
 
     def __init__(
@@ -57,15 +61,24 @@ class ArrayDataModule(L.LightningDataModule):
         seed: int = 0,
         split_seed: int = 0,
         drop_last: bool = False,
+        test_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         require(batch_size >= 1, "batch_size", batch_size, "an integer ≥ 1")
         require(num_workers >= 0, "num_workers", num_workers, "an integer ≥ 0 (0 loads in the main process)")
         require(0 <= val_fraction < 1, "val_fraction", val_fraction, "a number in [0, 1)")
+        require(
+            0 <= test_fraction < 1 - val_fraction,
+            "test_fraction",
+            test_fraction,
+            f"a number in [0, {1 - val_fraction:g}) (1 - val_fraction: some examples must be left to train on)",
+        )
+        self.test_fraction = test_fraction
         self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
         self.val_fraction, self.seed, self.split_seed, self.drop_last = val_fraction, seed, split_seed, drop_last
         self.train_set: StackDataset | None = None
         self.val_set: StackDataset | None = None
+        self.test_set: StackDataset | None = None
 
     def load(self) -> dict[str, torch.Tensor]:
         """All examples as named tensors sharing their first dimension."""
@@ -78,10 +91,12 @@ class ArrayDataModule(L.LightningDataModule):
         n = len(next(iter(arrays.values())))
         # The split never depends on the training seed: changing `seed` must not change the val set.
         order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
-        n_val = round(n * self.val_fraction)
-        self.val_index, self.train_index = order[:n_val], order[n_val:]
+        n_val, n_test = round(n * self.val_fraction), round(n * self.test_fraction)
+        self.val_index, self.train_index = order[:n_val], order[n_val : n - n_test]
+        self.test_index = order[n - n_test :] if n_test else order[:0]
         self.train_set = StackDataset(**{k: v[self.train_index] for k, v in arrays.items()})
         self.val_set = StackDataset(**{k: v[self.val_index] for k, v in arrays.items()})
+        self.test_set = StackDataset(**{k: v[self.test_index] for k, v in arrays.items()})
 
     def _trainer_epoch(self) -> int | None:
         return self.trainer.current_epoch if self.trainer is not None else None
@@ -114,15 +129,21 @@ class ArrayDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        return self._evaluation_loader(self.val_set)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._evaluation_loader(self.test_set)
+
+    def _evaluation_loader(self, dataset: StackDataset) -> DataLoader:
         world_size, rank = self._ranks()
-        # Unrepeated: every validation example is seen exactly once across ranks (no padding).
+        # Unrepeated: every example is seen exactly once across ranks (no padding).
         sampler = (
-            UnrepeatedDistributedSampler(self.val_set, num_replicas=world_size, rank=rank, shuffle=False)
+            UnrepeatedDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
             if world_size > 1
             else None
         )
         return DataLoader(
-            self.val_set,
+            dataset,
             batch_size=self.batch_size,
             sampler=sampler,
             num_workers=self.num_workers,

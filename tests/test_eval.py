@@ -1,0 +1,95 @@
+"""``multiloss-eval ckpt_path=...``: a checkpoint's validation and test metrics, from its own run's overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import multiloss
+from multiloss import testing
+from multiloss.config import ConfigError
+from multiloss.evaluation import evaluate, with_training_overrides
+from tests.conftest import ONE_CPU_NO_VAL, QUIET, SMALL_GAN
+
+# Per recipe: overrides for a short run, and the metric its validation reports.
+RUNS = {
+    "multihead": ((), "acc"),
+    "weighted": ((), "acc/parity"),
+    "accumulation": (("trainer.accumulate_grad_batches=2",), "acc"),
+    "gan": (SMALL_GAN, "modes"),
+    "tbptt": (("data.seq_len=32", "model.net.hidden_size=32", "trainer.limit_val_batches=4"), "bpc"),
+}
+HAS_TEST_SET = {"multihead", "weighted", "accumulation", "gan"}  # array data; the text module has no test split
+
+
+def _train(recipe: str, out: Path, *extra: str) -> tuple[Path, dict[str, float]]:
+    overrides, _ = RUNS[recipe]
+    split = ("data.test_fraction=0.2",) if recipe in HAS_TEST_SET else ()
+    cfg = testing.compose(
+        f"recipe={recipe}",
+        *QUIET,
+        "trainer.accelerator=cpu",
+        "trainer.devices=1",
+        "trainer.max_epochs=1",
+        "trainer.max_steps=-1",
+        "trainer.limit_train_batches=6",
+        "trainer.num_sanity_val_steps=0",
+        *split,
+        *overrides,
+        *extra,
+        output_dir=out,
+    )
+    metrics = multiloss.train(cfg)
+    return out / "checkpoints" / "last.ckpt", metrics
+
+
+def _eval_config(*args: str, output_dir: Path):
+    return testing.compose(*with_training_overrides([*args, *QUIET]), config_name="eval", output_dir=output_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RUNS))
+def test_eval_reproduces_the_final_validation_and_tests(recipe: str, tmp_path: Path) -> None:
+    ckpt, trained = _train(recipe, tmp_path / "train")
+    metric = RUNS[recipe][1]
+    cfg = _eval_config(f"ckpt_path={ckpt}", output_dir=tmp_path / "eval")
+    # The recipe and its components came from the checkpoint, not from the command line.
+    assert cfg.model._target_.endswith({"multihead": "MultiHead", "weighted": "WeightedMultiTask"}.get(recipe, ""))
+    metrics = evaluate(cfg)
+    assert f"val/{metric}" in metrics, sorted(metrics)
+    if recipe in HAS_TEST_SET:
+        assert f"test/{metric}" in metrics and any(k.startswith("test/loss/") for k in metrics), sorted(metrics)
+    else:
+        assert not any(k.startswith("test/") for k in metrics)
+    # The same weights on the same validation set: the training run's last validation (at its end), again.
+    assert metrics[f"val/{metric}"] == pytest.approx(trained[f"val/{metric}"], abs=1e-6)
+    assert (tmp_path / "eval" / "csv" / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "eval" / "checkpoints").exists()
+
+
+def test_training_overrides_come_first_and_the_command_line_wins(tmp_path: Path) -> None:
+    ckpt, _ = _train("multihead", tmp_path / "train", "model.net.width=16", "seed=3")
+    args = with_training_overrides([f"ckpt_path={ckpt}", "seed=5", "trainer.limit_val_batches=2"])
+    assert "recipe=multihead" in args and "model.net.width=16" in args
+    assert "seed=3" not in args and "seed=5" in args  # given on the command line: the user's value
+    assert not any(a.startswith("hydra.") for a in args) and sum(a.startswith("ckpt_path=") for a in args) == 1
+    assert args[-3:] == [f"ckpt_path={ckpt}", "seed=5", "trainer.limit_val_batches=2"]
+    # No checkpoint, nothing added (evaluate names ckpt_path).
+    assert with_training_overrides(["ckpt_path=/no/such.ckpt", "seed=1"]) == ["ckpt_path=/no/such.ckpt", "seed=1"]
+
+
+def test_eval_refuses_another_split_and_another_recipe(tmp_path: Path) -> None:
+    ckpt, _ = _train("multihead", tmp_path / "train")
+    cfg = _eval_config(f"ckpt_path={ckpt}", "data.test_fraction=0.3", output_dir=tmp_path / "eval")
+    with pytest.raises(ConfigError, match=r"data\.test_fraction") as err:
+        evaluate(cfg)
+    assert "0.2" in err.value.message
+    cfg = _eval_config(f"ckpt_path={ckpt}", "recipe=accumulation", output_dir=tmp_path / "eval2")
+    with pytest.raises(ConfigError, match="ckpt_path"):
+        evaluate(cfg)
+    cfg = testing.compose("recipe=multihead", *ONE_CPU_NO_VAL, config_name="eval", output_dir=tmp_path / "eval3")
+    with pytest.raises(ConfigError, match="ckpt_path"):
+        evaluate(cfg)
+    # Rejected before writing anything.
+    assert not any((tmp_path / d).exists() for d in ("eval", "eval2", "eval3"))

@@ -1,0 +1,102 @@
+"""``pip install .`` gives a package that runs anywhere: its commands, its configs, no top-level ``recipes``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIG_DIR, ROOT
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (built,) = out.glob("multiloss-*.whl")
+    return built
+
+
+def test_the_wheel_ships_configs_and_recipes_inside_the_package(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"multiloss", f"{wheel.name.split('-py3')[0]}.dist-info"}
+    shipped = {n.removeprefix("multiloss/configs/") for n in names if n.startswith("multiloss/configs/")}
+    expected = {str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "local"}
+    assert expected <= shipped, f"config files missing from the wheel (pyproject's packages?): {expected - shipped}"
+    assert not any(n.startswith("multiloss/configs/local/") and n.endswith(".yaml") for n in names)
+    recipes = {p.name for p in (ROOT / "recipes").glob("*.py")}
+    assert {n.removeprefix("multiloss/recipes/") for n in names if n.startswith("multiloss/recipes/")} == recipes
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "multiloss-train = multiloss.cli:train_main" in text and "multiloss-eval = multiloss.cli:eval_main" in text
+
+
+@pytest.mark.slow
+def test_installed_commands_train_and_evaluate_from_an_empty_directory(wheel: Path, tmp_path: Path) -> None:
+    # A fresh venv holding only the wheel; the dependencies are this environment's (no download),
+    # on the path as a plain directory, so this checkout's editable install is not seen.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)]
+    subprocess.run(pip, check=True, capture_output=True)
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    empty = tmp_path / "empty"
+    (empty / "my_configs" / "trainer").mkdir(parents=True)
+    # A user's own option beside the shipped ones (--config-dir), from outside any checkout.
+    (empty / "my_configs" / "trainer" / "short.yaml").write_text("defaults:\n  - default\nmax_steps: 20\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONWARNINGS": "ignore"}
+
+    def command(name: str, *args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [str(venv / "bin" / name), *args], cwd=empty, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    where = subprocess.run(
+        [str(python), "-c", "import multiloss, multiloss.recipes.gan as g; print(multiloss.__file__, g.__file__)"],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert str(ROOT) not in where and site in where
+    quiet = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false")
+    train = command("multiloss-train", "--config-dir", "my_configs", "recipe=gan", "trainer=short", *quiet)
+    (run_dir,) = (empty / "outputs" / "gan").iterdir()
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file() and f"outputs in {run_dir}" in train.stdout
+    assert (run_dir / "train.log").is_file()
+    evaluated = command("multiloss-eval", f"ckpt_path={ckpt}", "trainer.enable_progress_bar=false")
+    assert "val/modes" in evaluated.stdout and "val/loss/d" in evaluated.stdout
+    (eval_dir,) = (empty / "outputs" / "eval" / "gan").iterdir()
+    assert (eval_dir / "csv" / "version_0" / "metrics.csv").is_file() and (eval_dir / "eval.log").is_file()
+    assert "recipe=gan" in (eval_dir / ".hydra" / "overrides.yaml").read_text()
