@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hydra.utils import instantiate
 
 from multiloss import testing
 from multiloss.config import ConfigError, check_config
+from multiloss.training import build_trainer
 from tests.conftest import CONFIG_DIR, ROOT
 
 # Groups whose options are selected on the command line as `group=option`.
@@ -45,23 +46,33 @@ def npz_file(tmp_path):
     return path
 
 
+# Options that need an optional package (an extra): without it, building them names the key.
+NEEDS_PACKAGE = {rel: name for rel, name in {"logger/wandb.yaml": "wandb"}.items() if find_spec(name) is None}
+
+
 def instantiate_all(cfg) -> None:
     check_config(cfg)
     testing.build(cfg)
-    callbacks = [instantiate(v) for v in (cfg.callbacks or {}).values() if v]
-    loggers = [instantiate(v) for v in (cfg.logger or {}).values() if v]
-    instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    build_trainer(cfg, [])
 
 
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
     rel = str(path.relative_to(CONFIG_DIR))
-    extra = {"data/npz.yaml": [f"data.path={npz_file}"], "data/text.yaml": [f"data.path={ROOT / 'README.md'}"]}
+    extra = {
+        "data/npz.yaml": [f"data.path={npz_file}"],
+        "data/text.yaml": [f"data.path={ROOT / 'README.md'}"],
+        "callbacks/early_stopping.yaml": ["callbacks.early_stopping.monitor=val/acc"],
+    }
     recipe = [f"recipe={RECIPE_OF[rel]}"] if rel in RECIPE_OF else []
     cfg = make_cfg(*recipe, _override(path), *extra.get(rel, []), quiet=False)
     if rel in NEEDS_GPU:
         with pytest.raises(ConfigError, match=r"trainer\.accelerator"):
             check_config(cfg)
+        return
+    if rel in NEEDS_PACKAGE:
+        with pytest.raises(ConfigError, match=rf"logger\.{NEEDS_PACKAGE[rel]}.*{NEEDS_PACKAGE[rel]}"):
+            instantiate_all(cfg)
         return
     instantiate_all(cfg)
 

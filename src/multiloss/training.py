@@ -167,10 +167,17 @@ def _config_errors(path: str, node: DictConfig) -> Iterator[None]:
     """Turn what a component rejects while being built into a `ConfigError` under ``path``."""
     try:
         yield
-    except (ConfigError, InstantiationException, MisconfigurationException) as err:
+    except (ConfigError, InstantiationException, MisconfigurationException, ImportError) as err:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         if isinstance(cause, ConfigError):
             raise cause.under(path) from None
+        if isinstance(cause, ImportError):  # e.g. logger=wandb without the wandb package
+            raise ConfigError(
+                path,
+                node.get("_target_", OmegaConf.to_container(node)),
+                "its Python package installed (the config file's comment names the multiloss extra)",
+                f"cannot be built: {cause}",
+            ) from None
         if isinstance(cause, MisconfigurationException) or (path == "trainer" and isinstance(cause, ValueError)):
             raise _lightning_said(path, node, cause) from None
         raise

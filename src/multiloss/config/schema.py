@@ -26,6 +26,8 @@ class TrainSchema:
     print_config: bool = True
     overwrite: bool = False
     nonfinite: str = "stop"
+    # A sweeper's objective (hparams_search): the final metric a run returns, as a float.
+    optimized_metric: str | None = None
     data: Any = MISSING
     model: Any = MISSING
     trainer: Any = MISSING
