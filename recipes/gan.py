@@ -400,6 +400,7 @@ class GAN(Recipe):
     # --- artifacts ------------------------------------------------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
         # The schedule is a function of the epoch: bring it up to this batch's. Stepping it at an
         # epoch's end (or start) loses a step when a run stopped by max_steps exactly at an epoch's end
         # is resumed: its checkpoint was taken at the last batch, and Lightning then goes on into the
@@ -445,7 +446,7 @@ class GAN(Recipe):
                 ax.axis("off")
         else:
             return
-        fig.suptitle(f"epoch {self.current_epoch}, step {self.global_step}", fontsize=9)
+        fig.suptitle(f"epoch {self.current_epoch}, step {self.step_index}", fontsize=9)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=80)
         plt.close(fig)

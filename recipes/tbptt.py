@@ -322,7 +322,7 @@ class TruncatedBPTT(Recipe):
         h = self.hparams
         text = self.generate(h.sample_prompt, h.sample_length, h.sample_temperature, generator)
         bpc = self.trainer.callback_metrics.get("val/bpc")
-        header = f"# epoch {self.current_epoch}, step {self.global_step}" + (
+        header = f"# epoch {self.current_epoch}, step {self.step_index}" + (
             f", val/bpc {float(bpc):.4f}" if bpc is not None else ""
         )
         path = Path(self.trainer.default_root_dir) / "samples" / f"epoch_{self.current_epoch:03d}.txt"

@@ -202,7 +202,7 @@ class WeightedMultiTask(Recipe):
         if self.trainer.sanity_checking or not self.task_metrics:
             return
         # compute() syncs over ranks (every rank calls it) and caches the value Lightning then logs.
-        entry = {"step": float(self.global_step)}
+        entry = {"step": float(self.step_index)}
         for name, metric in self.task_metrics.items():
             entry[f"{name} {self.tasks[name].metric_name}"] = metric.compute().item()
         self.history.append(entry)

@@ -11,6 +11,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from multiloss import train
 from tests.conftest import ONE_CPU_NO_VAL, SMALL_GAN
@@ -75,5 +76,26 @@ def test_a_run_shorter_than_a_row_still_logs_its_losses(make_cfg, tmp_path):
         make_cfg, tmp_path, "short", "recipe=multihead", "trainer.max_steps=3", "trainer.log_every_n_steps=50"
     )
     rows = _rows(run, "loss/total")
-    assert list(rows) == [3]  # one row at the end, the mean of the 3 steps
-    assert metrics["loss/total"] == pytest.approx(rows[3], rel=1e-6)
+    assert list(rows) == [2]  # one row at the end (steps 0-2), the mean of the 3 steps
+    assert metrics["loss/total"] == pytest.approx(rows[2], rel=1e-6)
+
+
+def test_one_step_count_in_csv_samples_and_plots(make_cfg, tmp_path):
+    """tbptt steps 4 times a batch and the GAN 1.5 times: their outputs still name one step, the batch's
+    index as metrics.csv writes it (the last row is the last batch's), not Lightning's global_step."""
+    chunks = ("recipe=tbptt", "data.seq_len=64", "model.chunk_length=16", "model.net.hidden_size=32")
+    out, _ = _run(make_cfg, tmp_path, "tbptt", *chunks, "trainer.max_epochs=1", "trainer.limit_train_batches=7")
+    last_row = max(_rows(out, "loss/ce"))
+    assert last_row == 6  # 7 batches: steps 0-6 (28 optimizer.step() calls)
+    header = (out / "samples" / "epoch_000.txt").read_text().splitlines()[0]
+    assert header.startswith("# epoch 0, step 6"), header
+    gan, _ = _run(make_cfg, tmp_path, "gan", "recipe=gan", *SMALL_GAN, "trainer.max_steps=30")  # 20 batches
+    assert max(_rows(gan, "loss/d")) == 19
+    # weighted's task-metric history: the validation row's step.
+    out = tmp_path / "weighted"
+    short = ("trainer.max_epochs=1", "trainer.limit_train_batches=5", "trainer.limit_val_batches=1")
+    train(
+        make_cfg("recipe=weighted", "trainer.accelerator=cpu", "trainer.num_sanity_val_steps=0", *short, output_dir=out)
+    )
+    history = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["task_metrics_history"]
+    assert [h["step"] for h in history] == list(_rows(out, "val/acc/digit")) == [1, 3]  # twice an epoch

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from multiloss import train
+from multiloss.history import read_rows
 from tests.conftest import load_weights
 from tests.helpers import straight_and_resumed
 
@@ -46,6 +47,15 @@ def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path, stop_at):
     )
     assert torch.load(first / "checkpoints/last.ckpt", weights_only=True)["global_step"] == stop_at
     _assert_same(load_weights(resumed / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
+    # One training, one metrics.csv: the resumed run's holds the first run's rows, then its own.
+    (straight_rows,), (first_rows,), (resumed_rows,) = (
+        [[{k: v for k, v in row.items() if v} for row in read_rows(p)] for p in run.glob("csv/version_0/metrics.csv")]
+        for run in (straight, first, resumed)
+    )
+    assert resumed_rows[: len(first_rows)] == first_rows
+    assert {r["step"] for r in resumed_rows} >= {str(s) for s in range(stop_at - 1, 20, 5)} | {"19"}
+    if stop_at % 5 == 0:  # the first run's last row is one of the straight run's rows: the files are equal
+        assert resumed_rows == straight_rows
 
 
 def test_resume_from_periodic_checkpoint_equals_straight_run(make_cfg, tmp_path):

@@ -42,6 +42,7 @@ class Recipe(L.LightningModule):
         self.epoch_means = EpochMeans()  # validation losses, filled by log_losses
         self._components_checked = False
         self._windows: dict[tuple[str, ...], _Window] = {}  # training values between two log rows
+        self._step_index: int | None = None  # see step_index
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
@@ -210,7 +211,8 @@ class Recipe(L.LightningModule):
         steps since the last log row, on the rows Lightning writes (every ``trainer.log_every_n_steps``
         optimizer steps; `log_train_values`): no host sync and no logging work in between.
         (Under DDP, rank zero's own micro-batches, as Lightning does without a collective per step.)
-        A subclass that overrides ``on_train_batch_end`` or ``on_train_end`` calls the base's too.
+        A subclass that overrides ``on_train_batch_start``, ``on_train_batch_end`` or ``on_train_end``
+        calls the base's too.
         Validation values are logged per epoch, as the mean over every rank's examples
         (`multiloss.metrics.EpochMeans`).
         Training values also go to the non-finite guard, unless ``report`` is false (already reported).
@@ -231,6 +233,24 @@ class Recipe(L.LightningModule):
             self._windows[names] = _Window(values)
         else:
             window.add(values)
+
+    @property
+    def step_index(self) -> int:
+        """The step every output of a run names: ``step`` in metrics.csv (and every logger), the loss
+        curves, the GAN's and tbptt's sample headers, weighted's task-metric plot.
+
+        It is Lightning's logging step: the index, from 0, of the model's optimizer step — for
+        recipes that step by hand (gan, tbptt), of the training batch — that the values belong to.
+        (``trainer.max_steps``, ``global_step`` and checkpoint names count every ``optimizer.step()``
+        call instead: a GAN batch makes 1 + 1/n_critic of them, a tbptt batch one per chunk.)
+        """
+        if self._step_index is not None:
+            return self._step_index
+        return max(self.trainer.fit_loop.epoch_loop._batches_that_stepped - 1, 0)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Lightning counts this batch's step only after the batch (and a validation it runs) is over.
+        self._step_index = self.trainer.fit_loop.epoch_loop._batches_that_stepped
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The last hook before Lightning writes a log row: every window (the GAN's generator loss
@@ -266,7 +286,7 @@ class Recipe(L.LightningModule):
         trainer.callback_metrics.update(zip(names, torch.tensor(values).unbind()))
         row = {**dict(zip(names, values)), "epoch": float(trainer.current_epoch)}
         for logger in trainer.loggers:
-            logger.log_metrics(row, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+            logger.log_metrics(row, step=self.step_index)
 
 
 def describe_batch(batch: Mapping[str, Any]) -> str:

@@ -21,6 +21,7 @@ from multiloss.config import ConfigError, check_config
 from multiloss.console import print_config_tree, save_run_config
 from multiloss.distributed import multiloss_ddp
 from multiloss.evaluation import CONFIG_DIRS_KEY, OVERRIDES_KEY, SPLIT_KEY, SPLIT_KEYS
+from multiloss.history import HISTORY_KEY, continue_history, history_entry
 from multiloss.pitfalls import explain
 from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
 
@@ -122,6 +123,7 @@ class RunRecord(L.Callback):
         self.config_dirs = [s.path for s in sources if s.schema == "file" and s.provider != "main"]
         self.lock: Path | None = None
         self.started = False  # training began: errors from here on are not about the config
+        self.resumed_history: dict[str, Any] | None = None  # the metrics.csv a resumed checkpoint's run wrote
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.started = True
@@ -130,6 +132,7 @@ class RunRecord(L.Callback):
             check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
             self.lock = acquire_lock(out)
         save_run_config(self.cfg, self.cfg.paths.output_dir)
+        continue_history(trainer, self.resumed_history)  # a resumed run's metrics.csv starts with the earlier rows
         # Through Python's logging: under Hydra, also the first line of this rank's <run dir>/train.log
         # (opened only now, so a run rejected earlier leaves no log behind).
         log.info(
@@ -146,8 +149,13 @@ class RunRecord(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[OVERRIDES_KEY] = self.overrides
+        last_step = getattr(pl_module, "step_index", trainer.fit_loop.epoch_loop._batches_that_stepped)
+        checkpoint[HISTORY_KEY] = history_entry(trainer, last_step)
         checkpoint[CONFIG_DIRS_KEY] = self.config_dirs
         checkpoint[SPLIT_KEY] = {k: self.cfg.data[k] for k in SPLIT_KEYS if k in self.cfg.data}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.resumed_history = checkpoint.get(HISTORY_KEY)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         release_lock(self.lock)

@@ -242,5 +242,6 @@ def test_resume_mid_epoch_continues_exactly(make_cfg, tmp_path):
     assert resumed["hyper_parameters"]["tasks"]["parity"]["weight"] == 0.5
     for k, v in straight["state_dict"].items():
         assert torch.equal(resumed["state_dict"][k], v), k
-    assert [h["step"] for h in resumed["task_metrics_history"]] == [11.0, 22.0]
+    # Validation after the 11th and 22nd steps: steps 10 and 21, as metrics.csv writes them.
+    assert [h["step"] for h in resumed["task_metrics_history"]] == [10.0, 21.0]
     assert resumed["task_metrics_history"] == straight["task_metrics_history"]

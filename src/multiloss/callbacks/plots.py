@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import csv
 import math
 from collections import defaultdict
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+from multiloss.history import csv_logger, read_rows
 
 
 def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
-    """The rows of the run's ``metrics.csv`` (flushed first); empty without a CSVLogger."""
-    csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
-    if csv_logger is None:
+    """The rows of the run's ``metrics.csv`` (flushed first; a resumed run's holds the earlier runs' too)."""
+    logger = csv_logger(trainer)
+    if logger is None:
         return []
-    csv_logger.save()
-    path = Path(csv_logger.experiment.metrics_file_path)
-    if not path.is_file():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+    logger.save()
+    path = Path(logger.experiment.metrics_file_path)
+    return read_rows(path) if path.is_file() else []
 
 
 class LossCurves(L.Callback):
