@@ -47,7 +47,13 @@ def npz_file(tmp_path):
 
 
 # Options that need an optional package (an extra): without it, building them names the key.
-NEEDS_PACKAGE = {rel: name for rel, name in {"logger/wandb.yaml": "wandb"}.items() if find_spec(name) is None}
+NEEDS_PACKAGE = {
+    rel: name
+    for rel, name in {"logger/wandb.yaml": "wandb", "logger/mlflow.yaml": "mlflow"}.items()
+    if not find_spec(name)
+}
+# hparams_search options select Hydra's Optuna sweeper, a plugin of the `optuna` extra.
+HAS_OPTUNA_SWEEPER = find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
 
 
 def instantiate_all(cfg) -> None:
@@ -64,6 +70,8 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
         "data/text.yaml": [f"data.path={ROOT / 'README.md'}"],
         "callbacks/early_stopping.yaml": ["callbacks.early_stopping.monitor=val/acc"],
     }
+    if rel.startswith("hparams_search/") and not HAS_OPTUNA_SWEEPER:
+        pytest.skip("the optuna extra (hydra-optuna-sweeper) is not installed")
     recipe = [f"recipe={RECIPE_OF[rel]}"] if rel in RECIPE_OF else []
     cfg = make_cfg(*recipe, _override(path), *extra.get(rel, []), quiet=False)
     if rel in NEEDS_GPU:

@@ -19,7 +19,13 @@ from tests.conftest import ROOT, run_cli
 SHORT = ("trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2")
 
 
+needs_optuna = pytest.mark.skipif(
+    find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="the optuna extra is not installed"
+)
+
+
 @pytest.mark.slow
+@needs_optuna
 def test_an_optuna_sweep_of_three_trials_writes_its_results(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(
@@ -56,6 +62,7 @@ def test_optimized_metric_is_returned_as_a_float_or_named_when_missing(capsys) -
     assert "optimized_metric" in said and "val/accuracy" in said and "loss/total, val/acc" in said
 
 
+@needs_optuna
 @pytest.mark.parametrize("recipe", ["multihead", "weighted", "accumulation", "gan", "tbptt"])
 def test_each_recipes_search_composes_its_recipe_and_objective(make_cfg, recipe: str) -> None:
     cfg = make_cfg(f"hparams_search={recipe}")

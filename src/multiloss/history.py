@@ -25,8 +25,14 @@ def csv_logger(trainer: L.Trainer) -> CSVLogger | None:
 
 
 def metrics_file(trainer: L.Trainer) -> str | None:
-    """The absolute path of the run's ``metrics.csv`` (it may not be written yet), or None without a CSVLogger."""
+    """The absolute path of the run's ``metrics.csv`` (it may not be written yet), or None without a CSVLogger.
+
+    None on ranks other than zero too: only rank zero writes the file (its logger's experiment
+    is a stand-in elsewhere), and only rank zero's checkpoint is saved.
+    """
     logger = csv_logger(trainer)
+    if not trainer.is_global_zero:
+        return None
     return str(Path(logger.experiment.metrics_file_path).resolve()) if logger is not None else None
 
 
