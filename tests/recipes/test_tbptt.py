@@ -363,7 +363,9 @@ def test_logs_bpc_and_writes_samples(make_cfg, tmp_path):
     samples = sorted((tmp_path / "samples").glob("epoch_*.txt"))
     assert [s.name for s in samples] == ["epoch_000.txt", "epoch_001.txt"]
     header_line, text = samples[-1].read_text(encoding="utf-8").split("\n", 1)
-    assert header_line.startswith("# epoch 1, step 18, val/bpc")
+    # The batch index metrics.csv ends at (6 batches: 5), not global_step (18 optimizer steps).
+    assert header_line.startswith("# epoch 1, step 5, val/bpc")
+    assert max(int(r["step"]) for r in train_rows) == 5
     model.load_state_dict(weights)
     expected = model.generate("The ", 40, 0.8, torch.Generator().manual_seed(0))
     assert text == expected + "\n"
