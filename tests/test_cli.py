@@ -121,6 +121,13 @@ def test_bad_input_is_rejected_cleanly_and_leaves_earlier_results(finished_run, 
     assert not [k for k in after if k not in before and not k.endswith(".log")]  # nothing new but the job log
 
 
+def test_a_rejected_run_leaves_no_run_dir(tmp_path):
+    out = tmp_path / "fresh"
+    proc = run_cli("model.net.width=0", f"hydra.run.dir={out}")
+    assert proc.returncode == 2 and "model.net.width=0" in proc.stderr
+    assert not out.exists()  # Hydra made it before the check; multiloss removes it (empty) again
+
+
 def test_a_sweep_runs_without_naming_its_sweep_dir(tmp_path):
     """The README's `python train.py -m recipe=multihead seed=1,2`, as written: one run dir per job."""
     proc = run_cli("-m", "recipe=multihead", "seed=1,2", "trainer.max_steps=2", *QUICK_CLI, cwd=tmp_path)

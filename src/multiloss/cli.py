@@ -9,6 +9,7 @@ a summary: every final value and where the outputs are (rank zero only).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +96,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     except ConfigError as err:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         _print_error("config error", err.message)
+        _remove_if_empty(cfg)
         raise SystemExit(2) from None
     except (CheckpointWriteError, NonFiniteError) as err:
         _print_error("run stopped", str(err))
@@ -104,6 +106,12 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     if rank_zero_only.rank == 0:
         print_summary(metrics, cfg)
     return metrics
+
+
+def _remove_if_empty(cfg: DictConfig) -> None:
+    """A rejected run leaves no trace: Hydra made its run dir before the config was checked."""
+    with contextlib.suppress(Exception):  # not empty, or not made: left as it is
+        Path(cfg.paths.output_dir).rmdir()
 
 
 def _print_error(kind: str, message: str) -> None:
