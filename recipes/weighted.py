@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from multiloss.balancers import Fixed
 from multiloss.batches import require_keys
 from multiloss.components import build_module, build_optimizer_factory, name_of, objects_given, plain
 from multiloss.config import ConfigError
@@ -84,16 +85,26 @@ class WeightedMultiTask(Recipe):
             return a scalar, a metric that fails on them.
     """
 
-    def __init__(self, net: Any, tasks: Any, optimizer: Any = None, compile: bool = False) -> None:
+    # What the recipe gives its balancer itself (the config sets neither).
+    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base")}
+
+    def __init__(
+        self, net: Any, tasks: Any, optimizer: Any = None, balancer: Any = None, compile: bool = False
+    ) -> None:
         super().__init__(compile=compile)
-        net, tasks, optimizer = plain(net), plain(tasks), plain(optimizer)
-        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        net, tasks, optimizer, balancer = plain(net), plain(tasks), plain(optimizer), plain(balancer)
+        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer, balancer=balancer), logger=False)
         self.tasks = build_tasks(tasks)
+        # The weights of the one backward (multiloss.balancers): the configured ones by default. A
+        # module, so its weights follow the recipe to its device (and dtype under bf16-true), its
+        # parameters join the optimizer and its state the checkpoint.
+        names, weights = list(self.tasks), [t.weight for t in self.tasks.values()]
+        self.balancer = (
+            Fixed(names, weights) if balancer is None else build_module(balancer, "balancer", tasks=names, base=weights)
+        )
+        self._backward_weights: torch.Tensor | None = None  # set by each training_step
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
-        # A buffer, so the weights follow the module to its device (and its dtype under
-        # precision="bf16-true"); not persistent: they come from the config, not the checkpoint.
-        self.register_buffer("task_weights", torch.tensor([t.weight for t in self.tasks.values()]), persistent=False)
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})
         self.loss_modules = loss_modules(self.tasks)  # losses with state (pos_weight, ...) follow the device
         # Validation metrics after each validation, for task_metrics.png; kept in the checkpoint so a
@@ -167,11 +178,19 @@ class WeightedMultiTask(Recipe):
         batch = self.named_batch(batch)
         _, per_task = self.task_losses_of(batch)
         losses = torch.stack(list(per_task.values()))
-        total = (self.task_weights * losses.detach()).sum()
+        weights = self.balancer.weights(losses.detach())
+        extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
+        total = (weights * losses.detach()).sum() + (0 if extra is None else extra.detach())
         self.log_losses({**per_task, "total": total}, batch_size=len(batch["x"]))
+        if self.balancer.adaptive:
+            self.log_train_values(tuple(f"weight/{name}" for name in self.tasks), weights.detach())
         # The vector of task losses, not a scalar: Lightning divides it by accumulate_grad_batches
-        # (and AMP scales it) element-wise, then hands it to `backward` below.
-        return losses
+        # (and AMP scales it) element-wise, then hands it to `backward` below with these weights.
+        if extra is None:
+            self._backward_weights = weights
+            return losses
+        self._backward_weights = torch.cat([weights, weights.new_ones(1)])
+        return torch.cat([losses, extra.view(1).to(losses.dtype)])
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         # Why automatic optimization with this hook rather than manual optimization and
@@ -180,7 +199,13 @@ class WeightedMultiTask(Recipe):
         # scaling, gradient clipping, the optimizer step and zero_grad) stays Lightning's, and
         # `trainer.accumulate_grad_batches` keeps working; manual optimization rejects it and
         # gradient_clip_val at fit time. Only the backward call itself changes: one weighted pass.
-        weighted_backward(loss, self.task_weights, **kwargs)
+        # The weights this step's training_step chose; the configured ones for a backward called alone.
+        weights = self._backward_weights if self._backward_weights is not None else self.balancer.base
+        weighted_backward(loss, weights, **kwargs)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.balancer.start_epoch(self.current_epoch, lambda t: self.trainer.strategy.reduce(t, reduce_op="mean"))
 
     # --- validation --------------------------------------------------------------------------------
 

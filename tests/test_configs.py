@@ -31,6 +31,9 @@ RECIPE_OF = {
     "net/char_lstm.yaml": "tbptt",
     "generator/mlp.yaml": "gan",
     "discriminator/mlp.yaml": "gan",
+    "balancer/fixed.yaml": "weighted",
+    "balancer/uncertainty.yaml": "weighted",
+    "balancer/dwa.yaml": "weighted",
 }
 
 

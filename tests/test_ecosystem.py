@@ -123,3 +123,9 @@ def test_lint_is_clean_and_the_hooks_pin_the_same_ruff() -> None:
     for command in (["check", "."], ["format", "--check", "."]):
         done = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_logger_none_still_trains_with_the_default_callbacks(make_cfg, tmp_path: Path) -> None:
+    # The LR monitor has nowhere to write: left out, not a crash at the first step.
+    metrics = multiloss.train(make_cfg("logger=none", "trainer.max_steps=2", output_dir=tmp_path))
+    assert "loss/total" in metrics and (tmp_path / "checkpoints" / "last.ckpt").is_file()

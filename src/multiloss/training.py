@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, RngState
@@ -74,6 +75,8 @@ def build_trainer(
     configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     callbacks = [c for c in configured if not isinstance(c, leave_out)] + callbacks
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
+    if not loggers:  # logger=none: the LR monitor has nowhere to write (Lightning would stop the run)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
     trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)

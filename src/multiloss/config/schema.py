@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # Config groups whose options belong under the recipe's node (`# @package model.<group>`).
-COMPONENT_GROUPS = ("net", "generator", "discriminator", "tasks", "optimizer")
+COMPONENT_GROUPS = ("net", "generator", "discriminator", "tasks", "optimizer", "balancer")
 
 
 @dataclass
@@ -42,6 +42,7 @@ class TrainSchema:
     discriminator: Any = None
     tasks: Any = None
     optimizer: Any = None
+    balancer: Any = None
 
 
 def register() -> None:

@@ -1,0 +1,136 @@
+"""Loss balancers (`multiloss.balancers`, ``balancer=``): each update is its paper's rule, on the real recipe."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+
+import pytest
+import torch
+
+from multiloss import testing, train
+from multiloss.balancers import DynamicWeightAverage, Fixed, Uncertainty, dwa_weights
+from multiloss.config import ConfigError, check_config
+from multiloss.testing import assert_gradients_close
+from tests.conftest import BARE, load_weights
+from tests.helpers import straight_and_resumed
+
+WEIGHTED = ("recipe=weighted", "model.net.width=32", "data.batch_size=64", *BARE)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def test_fixed_is_the_configured_weights_and_adds_no_state(make_cfg):
+    _, model = testing.build(make_cfg(*WEIGHTED, "model.tasks.ink.weight=7"))
+    assert isinstance(model.balancer, Fixed) and not model.balancer.adaptive
+    assert model.balancer.weights(torch.ones(3)).tolist() == [1.0, 1.0, 7.0]
+    # Checkpoints keep the keys they had before balancers: old ones load, proofs are unchanged.
+    assert not [k for k in model.state_dict() if k.startswith("balancer.")]
+
+
+def test_uncertainty_gradients_are_kendalls(make_cfg):
+    """One real Trainer step: the net's gradient is Σ cᵢ·exp(-sᵢ)·∇Lᵢ and sᵢ's is cᵢ·(1 - exp(-sᵢ)·Lᵢ)."""
+    cfg = make_cfg(*WEIGHTED, "balancer=uncertainty", "model.balancer.init_log_variance=[0.5,-0.3,1.0]")
+    datamodule, model = testing.build(cfg)
+    before = copy.deepcopy(model)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    batch = testing.first_batch(datamodule)
+
+    s = before.balancer.log_variance.detach()
+    c = torch.tensor([t.weight for t in before.tasks.values()])
+    _, per_task = before.task_losses_of(batch)
+    losses = torch.stack(list(per_task.values()))
+    analytic = c * (1 - torch.exp(-s) * losses.detach())
+    assert torch.allclose(grads["balancer.log_variance"], analytic, atol=1e-6)
+
+    net = dict(before.net.named_parameters())
+    expected = torch.autograd.grad((c * torch.exp(-s) * losses).sum(), list(net.values()))
+    assert_gradients_close(
+        {k: v for k, v in grads.items() if k.startswith("net.")},
+        {f"net.{n}": g for n, g in zip(net, expected)},
+        atol=1e-6,
+    )
+
+
+def test_uncertainty_settles_where_the_weight_matches_the_loss():
+    """The minimum of exp(-s)·L + s over s is at s = log L, whatever L: the paper's fixed point."""
+    balancer = Uncertainty(["a", "b"], [1.0, 1.0])
+    losses = torch.tensor([4.0, 0.25])
+    optimizer = torch.optim.SGD(balancer.parameters(), lr=0.2)
+    for _ in range(500):
+        optimizer.zero_grad()
+        balancer.extra(losses).backward()
+        optimizer.step()
+    assert torch.allclose(balancer.log_variance.detach(), losses.log(), atol=1e-4)
+    assert torch.allclose(balancer.weights(losses), 1 / losses, atol=1e-4)
+
+
+def test_dwa_is_the_papers_rule_over_epoch_means():
+    balancer = DynamicWeightAverage(["a", "b", "c"], [1.0, 1.0, 10.0], temperature=2.0)
+    epochs = [
+        [torch.tensor([2.0, 1.0, 0.5]), torch.tensor([4.0, 1.0, 0.3])],  # means 3, 1, 0.4
+        [torch.tensor([1.5, 0.9, 0.4])],
+        [torch.tensor([1.0, 0.8, 0.1])],
+    ]
+    seen = []
+    for epoch, steps in enumerate(epochs):
+        balancer.start_epoch(epoch, _identity)
+        seen += [balancer.weights(loss).clone() for loss in steps]
+    base = torch.tensor([1.0, 1.0, 10.0])
+    assert all(torch.equal(w, base) for w in seen[:3])  # epochs 0 and 1: K·softmax of nothing = 1
+    r = torch.tensor([1.5 / 3.0, 0.9 / 1.0, 0.4 / 0.4])  # the last two epochs' mean-loss ratios
+    by_hand = 3 * torch.exp(r / 2) / torch.exp(r / 2).sum()
+    assert torch.allclose(seen[3], base * by_hand, atol=1e-6)
+    assert math.isclose(float(dwa_weights(torch.ones(3), torch.ones(3), 2.0).sum()), 3.0)  # equal rates: 1 each
+
+
+def test_dwa_in_the_recipe_follows_the_logged_epoch_means(make_cfg, tmp_path):
+    out = tmp_path / "run"
+    short = ("trainer.max_epochs=3", "trainer.limit_train_batches=4", "trainer.log_every_n_steps=1")
+    train(make_cfg(*WEIGHTED, "logger=csv", "balancer=dwa", *short, output_dir=out))
+    rows = [r for r in csv.DictReader(next(out.rglob("metrics.csv")).open()) if r.get("loss/digit")]
+    tasks = ("digit", "parity", "ink")
+    means = [
+        [sum(float(r[f"loss/{t}"]) for r in rows if int(float(r["epoch"])) == e) / 4 for t in tasks] for e in (0, 1)
+    ]
+    expected = dwa_weights(torch.tensor(means[0]), torch.tensor(means[1]), 2.0) * torch.tensor([1.0, 1.0, 30.0])
+    third = [r for r in rows if int(float(r["epoch"])) == 2]
+    for r in third:
+        assert [float(r[f"weight/{t}"]) for t in tasks] == pytest.approx(expected.tolist(), rel=1e-5)
+    assert all(float(r["weight/digit"]) == 1.0 for r in rows if int(float(r["epoch"])) < 2)
+
+
+@pytest.mark.parametrize("balancer", ["dwa", "uncertainty"])
+def test_a_resumed_run_continues_the_balancer_exactly(make_cfg, tmp_path, balancer):
+    # 4 batches an epoch: a stop at step 6 is mid-epoch 1; DWA's weights change at epoch 2.
+    common = (
+        *WEIGHTED,
+        f"balancer={balancer}",
+        "callbacks=default",
+        "~callbacks.loss_curves",
+        "~callbacks.progress_bar",
+        "trainer.limit_train_batches=4",
+    )
+    straight, _, resumed = straight_and_resumed(
+        make_cfg, tmp_path, common, stop="trainer.max_steps=6", end="trainer.max_steps=12"
+    )
+    a, b = load_weights(straight / "checkpoints/last.ckpt"), load_weights(resumed / "checkpoints/last.ckpt")
+    assert a.keys() == b.keys() and any(k.startswith("balancer.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "gan", "tbptt", "accumulation"])
+def test_a_recipe_without_a_balancer_rejects_one_by_name(make_cfg, recipe):
+    with pytest.raises(ConfigError, match=r"model\.balancer"):
+        check_config(make_cfg(f"recipe={recipe}", "balancer=dwa"))
+
+
+def test_bad_balancer_values_are_rejected(make_cfg):
+    with pytest.raises(ConfigError, match=r"init_log_variance"):
+        testing.build(make_cfg(*WEIGHTED, "balancer=uncertainty", "model.balancer.init_log_variance=[1,2]"))
+    with pytest.raises(ConfigError, match=r"temperature"):
+        testing.build(make_cfg(*WEIGHTED, "balancer=dwa", "model.balancer.temperature=0"))
