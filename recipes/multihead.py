@@ -123,6 +123,7 @@ class MultiHead(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         batch = self.named_batch(batch)
         losses = self.losses(batch)
+        self.task_losses = {name: loss for name, loss in losses.items() if name != "total"}  # monitor=conflicts
         self.log_losses(losses, batch_size=len(batch["y"]))
         # Lightning calls backward on this once; autograd sums the heads' contributions in the trunk.
         return losses["total"]

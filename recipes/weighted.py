@@ -103,6 +103,7 @@ class WeightedMultiTask(Recipe):
             Fixed(names, weights) if balancer is None else build_module(balancer, "balancer", tasks=names, base=weights)
         )
         self._backward_weights: torch.Tensor | None = None  # set by each training_step
+        self._step_losses: torch.Tensor | None = None  # the vector it returned (gradient-level balancers)
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})
@@ -177,6 +178,7 @@ class WeightedMultiTask(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         batch = self.named_batch(batch)
         _, per_task = self.task_losses_of(batch)
+        self.task_losses = per_task  # for the conflict monitor (monitor=conflicts), until the backward
         losses = torch.stack(list(per_task.values()))
         weights = self.balancer.weights(losses.detach())
         extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
@@ -188,6 +190,7 @@ class WeightedMultiTask(Recipe):
         # (and AMP scales it) element-wise, then hands it to `backward` below with these weights.
         if extra is None:
             self._backward_weights = weights
+            self._step_losses = losses
             return losses
         self._backward_weights = torch.cat([weights, weights.new_ones(1)])
         return torch.cat([losses, extra.view(1).to(losses.dtype)])
@@ -199,9 +202,23 @@ class WeightedMultiTask(Recipe):
         # scaling, gradient clipping, the optimizer step and zero_grad) stays Lightning's, and
         # `trainer.accumulate_grad_batches` keeps working; manual optimization rejects it and
         # gradient_clip_val at fit time. Only the backward call itself changes: one weighted pass.
+        if self.balancer.combines_gradients:  # PCGrad & co.: one backward per task, then their own sum
+            self.balancer.backward(self._scaled_task_losses(loss), list(self.net.parameters()))
+            return
         # The weights this step's training_step chose; the configured ones for a backward called alone.
         weights = self._backward_weights if self._backward_weights is not None else self.balancer.base
         weighted_backward(loss, weights, **kwargs)
+
+    def _scaled_task_losses(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """Each task's own loss tensor, scaled as Lightning scaled the vector ``loss`` (1/k, AMP's scale).
+
+        Not ``loss[i]``: a slice of the stacked vector reaches every task's graph (with zeros), so
+        every head would look shared. The scale is d loss / d (the vector training_step returned).
+        """
+        raw = self._step_losses
+        scale = torch.autograd.grad(loss, raw, torch.ones_like(loss), retain_graph=True)[0]
+        assert self.task_losses is not None
+        return [s * task_loss for s, task_loss in zip(scale, self.task_losses.values())]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from multiloss import testing, train
-from multiloss.balancers import DynamicWeightAverage, Fixed, Uncertainty, dwa_weights
+from multiloss.balancers import DynamicWeightAverage, Fixed, Uncertainty, dwa_weights, pcgrad
 from multiloss.config import ConfigError, check_config
 from multiloss.testing import assert_gradients_close
 from tests.conftest import BARE, load_weights
-from tests.helpers import straight_and_resumed
+from tests.helpers import same_state, straight_and_resumed
 
 WEIGHTED = ("recipe=weighted", "model.net.width=32", "data.batch_size=64", *BARE)
 
@@ -103,7 +103,7 @@ def test_dwa_in_the_recipe_follows_the_logged_epoch_means(make_cfg, tmp_path):
     assert all(float(r["weight/digit"]) == 1.0 for r in rows if int(float(r["epoch"])) < 2)
 
 
-@pytest.mark.parametrize("balancer", ["dwa", "uncertainty"])
+@pytest.mark.parametrize("balancer", ["dwa", "uncertainty", "pcgrad"])
 def test_a_resumed_run_continues_the_balancer_exactly(make_cfg, tmp_path, balancer):
     # 4 batches an epoch: a stop at step 6 is mid-epoch 1; DWA's weights change at epoch 2.
     common = (
@@ -119,8 +119,7 @@ def test_a_resumed_run_continues_the_balancer_exactly(make_cfg, tmp_path, balanc
     )
     a, b = load_weights(straight / "checkpoints/last.ckpt"), load_weights(resumed / "checkpoints/last.ckpt")
     assert a.keys() == b.keys() and any(k.startswith("balancer.") for k in a)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert same_state(a, b)
 
 
 @pytest.mark.parametrize("recipe", ["multihead", "gan", "tbptt", "accumulation"])
@@ -134,3 +133,70 @@ def test_bad_balancer_values_are_rejected(make_cfg):
         testing.build(make_cfg(*WEIGHTED, "balancer=uncertainty", "model.balancer.init_log_variance=[1,2]"))
     with pytest.raises(ConfigError, match=r"temperature"):
         testing.build(make_cfg(*WEIGHTED, "balancer=dwa", "model.balancer.temperature=0"))
+
+
+# --- PCGrad: gradient surgery -----------------------------------------------------------------------
+
+
+def _pcgrad_by_hand(vectors: list[list[float]], orders: list[list[int]]) -> list[float]:
+    """Yu et al. 2020, Algorithm 1, in plain Python floats."""
+
+    def dot(a, b):
+        return sum(x * y for x, y in zip(a, b))
+
+    total = [0.0] * len(vectors[0])
+    for i, order in enumerate(orders):
+        g = list(vectors[i])
+        for j in order:
+            if dot(g, vectors[j]) < 0:
+                coef = dot(g, vectors[j]) / dot(vectors[j], vectors[j])
+                g = [x - coef * y for x, y in zip(g, vectors[j])]
+        total = [t + x for t, x in zip(total, g)]
+    return total
+
+
+@pytest.mark.parametrize(
+    ("vectors", "expected"),
+    [
+        ([[1.0, 0.0], [-1.0, 1.0]], [0.5, 1.5]),  # conflicting: each loses its part along the other
+        ([[1.0, 0.0], [1.0, 1.0]], [2.0, 1.0]),  # no conflict: the plain sum, unchanged
+    ],
+)
+def test_pcgrad_two_tasks(vectors, expected):
+    got = pcgrad(torch.tensor(vectors, dtype=torch.float64), [[1], [0]])
+    assert got.tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_pcgrad_three_tasks_in_any_order():
+    vectors = [[1.0, 0.2, -0.5], [-0.8, 1.0, 0.3], [0.1, -0.9, 1.0]]
+    for orders in ([[1, 2], [0, 2], [0, 1]], [[2, 1], [2, 0], [1, 0]]):
+        got = pcgrad(torch.tensor(vectors, dtype=torch.float64), orders)
+        assert got.tolist() == pytest.approx(_pcgrad_by_hand(vectors, orders), abs=1e-12)
+    same = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.3, 1.0]]  # pairwise non-negative: nothing projected
+    assert pcgrad(torch.tensor(same), [[1, 2], [0, 2], [0, 1]]).tolist() == pytest.approx([1.5, 0.8, 1.0])
+
+
+def test_pcgrad_in_the_recipe_is_the_papers_step(make_cfg):
+    """One real Trainer step: the trunk gets Σ PCGrad(cᵢ·∇Lᵢ), each head its own cᵢ·∇Lᵢ."""
+    cfg = make_cfg(*WEIGHTED, "balancer=pcgrad", "model.balancer.shuffle=false")
+    datamodule, model = testing.build(cfg)
+    before = copy.deepcopy(model)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    batch = testing.first_batch(datamodule)
+
+    _, per_task = before.task_losses_of(batch)
+    c = [t.weight for t in before.tasks.values()]
+    trunk = {n: p for n, p in before.named_parameters() if n.startswith("net.trunk.")}
+    per_task_trunk = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(w * loss, list(trunk.values()), retain_graph=True)])
+        for w, loss in zip(c, per_task.values())
+    ]
+    by_hand = torch.tensor(_pcgrad_by_hand([v.tolist() for v in per_task_trunk], [[1, 2], [0, 2], [0, 1]]))
+    got = torch.cat([grads[n].reshape(-1) for n in trunk])
+    assert torch.allclose(got, by_hand.to(got.dtype), atol=1e-6)
+    assert not torch.allclose(got, sum(per_task_trunk), atol=1e-6)  # the digits' tasks do conflict at the start
+    for name, (task, loss) in zip(before.tasks, per_task.items()):
+        head = dict(before.net.heads[task].named_parameters())
+        expected = torch.autograd.grad(c[list(before.tasks).index(name)] * loss, list(head.values()), retain_graph=True)
+        for (n, _), g in zip(head.items(), expected):
+            assert torch.allclose(grads[f"net.heads.{task}.{n}"], g, atol=1e-6)

@@ -10,6 +10,9 @@ in the recipe's optimizer, its state in the checkpoint, so a resumed run continu
   Σ cᵢ·(exp(-sᵢ)·Lᵢ + sᵢ), sᵢ = log σᵢ² learned with the network's optimizer.
 - `DynamicWeightAverage`: Liu, Johns & Davison 2019: wᵢ = K·exp(rᵢ/T) / Σⱼ exp(rⱼ/T), rᵢ the ratio of
   task i's mean training loss over the last two epochs; 1 for the first two epochs.
+- `PCGrad`: Yu et al. 2020, gradient surgery: each task's gradient on the shared parameters loses
+  its component along any other task's gradient it conflicts with (negative dot product); the
+  projected gradients are summed. Costs one backward per task (`multiloss.task_gradients`).
 
 The configured weights cᵢ (``model.tasks.<task>.weight``) multiply every balancer's weights, so a
 weight of 0 keeps a task off whatever the balancer.
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from multiloss.config import require
+from multiloss.task_gradients import accumulate_into_grads, task_gradients
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -35,6 +39,7 @@ class Balancer(nn.Module):
     """
 
     adaptive = True  # its weights change: the recipe logs them as weight/<task>
+    combines_gradients = False  # True: the recipe calls `backward` instead of one weighted backward
 
     def __init__(self, tasks: Sequence[str], base: Sequence[float]) -> None:
         super().__init__()
@@ -49,6 +54,14 @@ class Balancer(nn.Module):
     def extra(self, losses: torch.Tensor) -> torch.Tensor | None:
         """A scalar added to the backward to train the balancer's own parameters (None: nothing)."""
         return None
+
+    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+        """Accumulate this step's gradient into ``params``' ``.grad`` (``combines_gradients`` balancers).
+
+        ``losses``: each task's own loss tensor (not slices of one stacked vector: a slice's graph
+        reaches every task).
+        """
+        raise NotImplementedError
 
     def start_epoch(self, epoch: int, reduce: Reduce) -> None:
         """Called before each training batch with the epoch it belongs to; ``reduce`` averages over the ranks.
@@ -150,3 +163,59 @@ def dwa_weights(before_last: torch.Tensor, last: torch.Tensor, temperature: floa
     if bool(torch.isnan(before_last).any()):
         return torch.ones_like(last)
     return len(last) * torch.softmax((last / before_last) / temperature, dim=0)
+
+
+class PCGrad(Balancer):
+    """Yu et al. 2020 (PCGrad): project each task's gradient off the tasks it conflicts with, then sum.
+
+    For each task i, in a random order of the other tasks j (the paper's Algorithm 1; ``shuffle:
+    false`` takes them in index order): if gᵢ·gⱼ < 0, gᵢ ← gᵢ - (gᵢ·gⱼ / ‖gⱼ‖²)·gⱼ, with gⱼ the
+    original gradient of task j. Only the shared parameters are projected; a task's own head gets its
+    own gradient. Tasks keep their configured weights (cᵢ·Lᵢ). The order's generator is in the
+    checkpoint. Under DDP each rank projects its own per-task gradients before DDP averages them (as
+    the paper's code does on one device); averaging the per-task gradients first would cost one
+    all-reduce per task.
+    """
+
+    adaptive = False
+    combines_gradients = True
+
+    def __init__(self, tasks: Sequence[str], base: Sequence[float], shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(tasks, base)
+        self.shuffle = bool(shuffle)
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        return self.base
+
+    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+        grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
+        accumulate_into_grads(grads, pcgrad(grads.vectors, self.orders(len(self.tasks))))
+
+    def orders(self, n: int) -> list[list[int]]:
+        """For each task, the other tasks in the order they are projected against."""
+        if not self.shuffle:
+            return [[j for j in range(n) if j != i] for i in range(n)]
+        return [[j for j in torch.randperm(n, generator=self.generator).tolist() if j != i] for i in range(n)]
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def pcgrad(vectors: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Σᵢ PCGrad(gᵢ) for the rows gᵢ of ``vectors``, each projected against the rows ``orders[i]`` in turn.
+
+    Without a host sync: a projection that does not apply (gᵢ·gⱼ ≥ 0) has coefficient 0.
+    """
+    total = torch.zeros_like(vectors[0])
+    tiny = torch.finfo(vectors.dtype).tiny
+    for i, order in enumerate(orders):
+        g = vectors[i].clone()
+        for j in order:
+            other = vectors[j]
+            g = g - (torch.clamp(g @ other, max=0) / (other @ other).clamp_min(tiny)) * other
+        total = total + g
+    return total

@@ -43,6 +43,9 @@ class Recipe(L.LightningModule):
         self._components_checked = False
         self._windows: dict[tuple[str, ...], _Window] = {}  # training values between two log rows
         self._step_index: int | None = None  # see step_index
+        # A multi-task recipe's per-task losses of the current step, graph attached, from its
+        # training_step to the end of its backward: what the conflict monitor differentiates.
+        self.task_losses: dict[str, torch.Tensor] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
@@ -247,6 +250,9 @@ class Recipe(L.LightningModule):
         if self._step_index is not None:
             return self._step_index
         return max(self.trainer.fit_loop.epoch_loop._batches_that_stepped - 1, 0)
+
+    def on_after_backward(self) -> None:
+        self.task_losses = None  # the graph is freed: nothing to hold on to
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Lightning counts this batch's step only after the batch (and a validation it runs) is over.

@@ -1,0 +1,88 @@
+"""``monitor=conflicts``: how much the tasks' gradients disagree on the shared layers, as training goes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+from multiloss.callbacks.plots import read_metrics
+from multiloss.task_gradients import pairwise_cosines, task_gradients
+
+
+class ConflictMonitor(L.Callback):
+    """On the steps that write a log row, the cosine between each pair of tasks' gradients on the shared parameters.
+
+    Logs ``conflict/cos/<a>-<b>`` and ``conflict/negative/<a>-<b>`` (the share of monitored steps so
+    far whose cosine was negative: the tasks pulled the shared layers apart), and plots the cosines
+    over the steps to ``<dirpath>/<filename>`` when training ends. Works for a recipe that exposes its
+    step's per-task losses as ``task_losses`` (multihead, weighted), whatever its balancer. Cost: one
+    extra backward per task, on monitored steps only (every ``trainer.log_every_n_steps``); the
+    gradients are computed apart from training's, which they do not change. Shared parameters: those
+    that more than one task's loss reaches. Rank zero's own batch under DDP.
+    """
+
+    def __init__(self, dirpath: str, filename: str = "conflicts.png") -> None:
+        self.path = Path(dirpath) / filename
+        self.monitored = 0
+        self.negative: dict[str, torch.Tensor] = {}
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        losses = getattr(pl_module, "task_losses", None)
+        if not losses or len(losses) < 2 or not trainer._logger_connector.should_update_logs:
+            return
+        if not trainer.is_global_zero:
+            return
+        params = [p for name, p in pl_module.named_parameters() if not name.startswith("balancer.")]
+        grads = task_gradients(list(losses.values()), params)
+        if not grads.shared:
+            return
+        cos = pairwise_cosines(grads.vectors.float())
+        names, values = [], []
+        self.monitored += 1
+        tasks = list(losses)
+        for a in range(len(tasks)):
+            for b in range(a + 1, len(tasks)):
+                pair = f"{tasks[a]}-{tasks[b]}"
+                self.negative[pair] = self.negative.get(pair, torch.zeros((), device=cos.device)) + (cos[a, b] < 0)
+                names += [f"conflict/cos/{pair}", f"conflict/negative/{pair}"]
+                values += [cos[a, b], self.negative[pair] / self.monitored]
+        pl_module.log_train_values(tuple(names), torch.stack(values))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitored": self.monitored, "negative": {k: float(v) for k, v in self.negative.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.monitored = int(state_dict["monitored"])
+        self.negative = {k: torch.tensor(v) for k, v in state_dict["negative"].items()}
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        curves: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+        for row in read_metrics(trainer):
+            for name, value in row.items():
+                if name.startswith("conflict/cos/") and value not in ("", None):
+                    curves[name.removeprefix("conflict/cos/")][0].append(float(row["step"]))
+                    curves[name.removeprefix("conflict/cos/")][1].append(float(value))
+        if not curves:
+            rank_zero_warn(f"ConflictMonitor: no conflict/cos/* values in a metrics.csv; {self.path} not written")
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for pair in sorted(curves):
+            ax.plot(*curves[pair], label=pair, linewidth=1.2)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set(xlabel="step", ylabel="cosine of the tasks' gradients (shared layers)", ylim=(-1.05, 1.05))
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(self.path, dpi=110)
+        plt.close(fig)
