@@ -304,3 +304,45 @@ def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
     )
     assert proc.returncode != 0
     assert time.monotonic() - start < 120
+
+
+# Balancers under DDP: the linear ones (uncertainty's log-variance gradient, DWA's rank-averaged
+# epoch means) give 2 ranks × b == 1 rank × 2b; the gradient-level ones reach DDP's all-reduce.
+BALANCED = (
+    "recipe=weighted",
+    "data.shuffle=false",
+    "optimizer=sgd",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=0",
+    "trainer.num_sanity_val_steps=0",
+)
+
+
+@pytest.mark.parametrize("balancer", ["uncertainty", "dwa"])
+def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
+    common = (*BALANCED, f"balancer={balancer}")
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16")
+    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=32")
+    # Not DWA's running sums of the current epoch (extra state): each rank's are its own half.
+    wa, wb = (load_weights(run / "checkpoints/last.ckpt") for run in (two, one))
+    names = [k for k in wb if not k.endswith("_extra_state")]
+    assert_gradients_close(wa, wb, atol=1e-6, rtol=0, names=names)
+    assert any(k.startswith("balancer.") for k in names)  # the balancer's state (DWA's weights, sᵢ) too
+
+
+@pytest.mark.parametrize("balancer", ["pcgrad", "upgrad"])
+def test_gradient_balancers_all_reduce_once_per_step_under_accumulation(tmp_path, balancer):
+    out = tmp_path / "ddp"
+    _train(
+        out,
+        *BALANCED,
+        f"balancer={balancer}",
+        "trainer.accumulate_grad_batches=2",
+        *DDP,
+        "data.batch_size=16",
+        *_counter(out),
+    )
+    for counts in _counts(out):
+        assert counts["optimizer_steps"] == 3
+        assert counts["allreduces"] == 3, counts  # the surrogate backward reaches DDP's reducer, no_sync kept

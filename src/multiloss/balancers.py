@@ -13,6 +13,8 @@ in the recipe's optimizer, its state in the checkpoint, so a resumed run continu
 - `PCGrad`: Yu et al. 2020, gradient surgery: each task's gradient on the shared parameters loses
   its component along any other task's gradient it conflicts with (negative dot product); the
   projected gradients are summed. Costs one backward per task (`multiloss.task_gradients`).
+- `JacobianDescent`: any aggregator of torchjd (UPGrad, MGDA, ...) applied to the tasks' Jacobian on
+  the shared parameters: a dependency (the ``torchjd`` extra), not a copy.
 
 The configured weights cᵢ (``model.tasks.<task>.weight``) multiply every balancer's weights, so a
 weight of 0 keeps a task off whatever the balancer.
@@ -126,15 +128,18 @@ class DynamicWeightAverage(Balancer):
         require(0 < temperature < math.inf, "temperature", temperature, "a positive number (the paper's 2)")
         self.temperature = float(temperature)
         n = len(self.tasks)
-        # All in the checkpoint: a run resumed mid-epoch continues the epoch's sums.
-        self.register_buffer("epoch_sum", torch.zeros(n))
-        self.register_buffer("epoch_count", torch.zeros(()))
+        # All in the checkpoint: a run resumed mid-epoch continues the epoch's sums. The sums are this
+        # rank's own, so not buffers: DDP broadcasts rank zero's buffers into every rank at each forward.
+        self.epoch_sum = torch.zeros(n)
+        self.epoch_count = torch.zeros(())
         self.register_buffer("epoch_means", torch.full((2, n), math.nan))  # epochs t-2, t-1
         self.register_buffer("current", torch.ones(n))
         self.register_buffer("epoch", torch.tensor(-1))  # the epoch the sums are of (-1: none yet)
         self._host_epoch: int | None = None
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        if self.epoch_sum.device != losses.device:  # not buffers: they follow the losses
+            self.epoch_sum, self.epoch_count = self.epoch_sum.to(losses.device), self.epoch_count.to(losses.device)
         self.epoch_sum += losses.detach().to(self.epoch_sum.dtype)  # on the device: no host sync
         self.epoch_count += 1
         return self.base * self.current
@@ -152,6 +157,12 @@ class DynamicWeightAverage(Balancer):
         self.epoch_count.zero_()
         self.epoch.fill_(epoch)
         self._host_epoch = epoch
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"epoch_sum": self.epoch_sum.cpu(), "epoch_count": self.epoch_count.cpu()}
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.epoch_sum, self.epoch_count = state["epoch_sum"].clone(), state["epoch_count"].clone()
 
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
@@ -219,3 +230,32 @@ def pcgrad(vectors: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tens
             g = g - (torch.clamp(g @ other, max=0) / (other @ other).clamp_min(tiny)) * other
         total = total + g
     return total
+
+
+class JacobianDescent(Balancer):
+    """A torchjd aggregator (``torchjd.aggregation``: UPGrad, MGDA, ...) of the tasks' Jacobian on shared parameters.
+
+    The Jacobian's rows are the tasks' gradients cᵢ·∇Lᵢ on the shared parameters (found, as for
+    PCGrad); torchjd aggregates them into the update (UPGrad, Quinton & Rey 2024: each row projected
+    onto the dual cone of all rows, so the update conflicts with no task; MGDA, Désidéri 2012: the
+    minimum-norm point of their convex hull); each task's own head gets its own gradient. One
+    backward per task. ``aggregator``: a torchjd aggregator (its config, ``_target_:
+    torchjd.aggregation.UPGrad``). Needs the ``torchjd`` extra.
+    """
+
+    adaptive = False
+    combines_gradients = True
+
+    def __init__(
+        self, tasks: Sequence[str], base: Sequence[float], aggregator: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        super().__init__(tasks, base)
+        require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
+        self.aggregator = aggregator
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        return self.base
+
+    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+        grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
+        accumulate_into_grads(grads, self.aggregator(grads.vectors))
