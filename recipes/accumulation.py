@@ -75,6 +75,7 @@ class Accumulation(Recipe):
         optimizer: Any = None,
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
+        count_exact: bool = False,
         compile: bool = False,
     ) -> None:
         super().__init__(compile=compile)
@@ -89,6 +90,7 @@ class Accumulation(Recipe):
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
+        self.count_exact = bool(count_exact)
         self.scaling: dict[str, float | int | str] = {}
         self.scaled_lrs: list[float] = []
         self.val_acc: MulticlassAccuracy | None = None  # made by the component check: the class count is the net's
@@ -183,11 +185,51 @@ class Accumulation(Recipe):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         batch = self.named_batch(batch)
+        if self.count_exact:
+            return self._count_exact_loss(batch, batch_idx)
         loss = F.cross_entropy(self(batch["x"]), batch["y"])
         self.log_losses({"total": loss}, batch_size=len(batch["y"]))
         # The micro-batch's mean loss; Lightning divides it by k before backward, so k micro-batches
         # of b sum to the gradient of the mean over k·b examples (the seeds' `loss / accumulation_steps`).
         return loss
+
+    def _count_exact_loss(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """The micro-batch's summed loss over the examples of its whole optimizer step (every rank's).
+
+        Returned times k · world size, which Lightning's 1/k and DDP's mean over ranks take back
+        out: the step's gradient is the mean over all its examples, each weighing the same, also
+        when a micro-batch is short (an epoch's last) or the step has fewer than k of them.
+        """
+        summed = F.cross_entropy(self(batch["x"]), batch["y"], reduction="sum")
+        self.log_losses({"total": summed.detach() / len(batch["y"])}, batch_size=len(batch["y"]))
+        trainer = self.trainer
+        return summed * (trainer.accumulate_grad_batches * trainer.world_size / self.examples_in_step(batch_idx))
+
+    def examples_in_step(self, batch_idx: int) -> int:
+        """How many examples, over every rank, the optimizer step that micro-batch ``batch_idx`` belongs to sees.
+
+        From the loader's sampler (examples per rank: equal on every rank, DistributedSampler pads),
+        its batch size and ``drop_last``, and the epoch's micro-batch count: all full but an epoch's
+        last, and Lightning closes an epoch's last step with whatever micro-batches are left.
+        """
+        trainer = self.trainer
+        loader = trainer.train_dataloader
+        per_rank, size = len(loader.sampler), loader.batch_size
+        require(
+            isinstance(size, int),
+            "count_exact",
+            True,
+            "a training loader with a batch_size and a sampler (not a batch_sampler), or count_exact=false",
+        )
+        in_epoch = per_rank // size if loader.drop_last else -(-per_rank // size)
+        used = min(int(trainer.num_training_batches), in_epoch)
+        k = trainer.accumulate_grad_batches
+        first = (batch_idx // k) * k
+        sizes = [
+            size if i < in_epoch - 1 or loader.drop_last else per_rank - (in_epoch - 1) * size
+            for i in range(first, min(first + k, used))
+        ]
+        return sum(sizes) * trainer.world_size
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)

@@ -359,3 +359,33 @@ def test_bad_settings_are_rejected_before_training(make_cfg, tmp_path, override,
         train(make_cfg("recipe=accumulation", override, output_dir=tmp_path))
     assert err.value.key == key
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_count_exact_weighs_every_example_of_the_short_last_step_the_same(make_cfg):
+    """``model.count_exact=true``: the same 23rd step (16 + 14 examples) is the mean gradient over its 30
+    examples, and a full step is still the mean over its 64 (one batch of all their examples)."""
+    capture = GradientCapture()
+    initial, _, _ = _fit(
+        make_cfg,
+        "model.lr_scaling=none",
+        "model.count_exact=true",
+        "data.shuffle=false",
+        "data.batch_size=16",
+        "trainer.accumulate_grad_batches=4",
+        "trainer.max_steps=23",
+        callbacks=[capture],
+    )
+    assert len(capture.steps) == 23
+    x, y, _ = _train_tensors(make_cfg)
+    first = copy.deepcopy(initial)
+    params = dict(first.named_parameters())
+    full = torch.autograd.grad(F.cross_entropy(first(x[:64]), y[:64]), list(params.values()))
+    for name, g in zip(params, full):
+        torch.testing.assert_close(capture.steps[0][f"net.{name}"], g, atol=1e-6, rtol=1e-5)
+
+    net = _seed_loop(copy.deepcopy(initial), x, y, torch.arange(len(y)), 16, 4, 22, lr=0.1)
+    tail = slice(22 * 64, len(y))
+    params = dict(net.named_parameters())
+    mean = torch.autograd.grad(F.cross_entropy(net(x[tail]), y[tail]), list(params.values()))
+    for name, g in zip(params, mean):
+        torch.testing.assert_close(capture.steps[22][f"net.{name}"], g, atol=1e-6, rtol=1e-5)
