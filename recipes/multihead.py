@@ -18,13 +18,14 @@ both per-head alternatives with `multiloss.testing`) and the graph is walked onc
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from multiloss.balancers import Balancer
 from multiloss.batches import require_keys
 from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
@@ -55,11 +56,19 @@ class MultiHead(Recipe):
             tensors, or logits that ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
+    # What the recipe gives its balancer itself (the config sets neither).
+    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base")}
+
     def __init__(
-        self, net: Any, optimizer: Any = None, head_weights: list[float] | None = None, compile: bool = False
+        self,
+        net: Any,
+        optimizer: Any = None,
+        head_weights: list[float] | None = None,
+        balancer: Any = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(compile=compile)
-        net, optimizer = plain(net), plain(optimizer)
+        net, optimizer, balancer = plain(net), plain(optimizer), plain(balancer)
         # A plain list of floats, not Hydra's ListConfig: checkpoints must load with weights_only=True.
         head_weights = None if head_weights is None else [float(w) for w in head_weights]
         require(
@@ -68,7 +77,11 @@ class MultiHead(Recipe):
             head_weights,
             "null (equal weights) or non-negative finite numbers, one per head, not all zero",
         )
-        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer, balancer=balancer), logger=False)
+        # The balancer needs the number of heads, which only the component check (or a checkpoint)
+        # knows: built there (`_build_balancer`); None until then, and always None for `fixed`.
+        self.balancer_spec = balancer
+        self.balancer: Balancer | None = None
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.head_weights = head_weights
@@ -106,6 +119,7 @@ class MultiHead(Recipe):
             f"one weight per head: {n} numbers (model.net has {n} heads), or null for equal weights",
             "wrong length",
         )
+        self._build_balancer(n)
         if len(self.val_acc) != n:
             classes = [logits.shape[1] for logits in outputs]
             self.val_acc = nn.ModuleList(MulticlassAccuracy(c, average="micro") for c in classes).to(outputs[0].device)
@@ -122,11 +136,65 @@ class MultiHead(Recipe):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         batch = self.named_batch(batch)
+        if self.balancer is not None:
+            return self._balanced_step(batch)
         losses = self.losses(batch)
         self.task_losses = {name: loss for name, loss in losses.items() if name != "total"}  # monitor=conflicts
         self.log_losses(losses, batch_size=len(batch["y"]))
         # Lightning calls backward on this once; autograd sums the heads' contributions in the trunk.
         return losses["total"]
+
+    # --- a balancer other than `fixed` (multiloss.balancers) -------------------------------------
+
+    @property
+    def built_at_setup(self) -> tuple[str, ...]:
+        """State-dict prefixes this module makes only at setup: a checkpoint may hold them before."""
+        return ("balancer.",) if self.balancer is None and self.balancer_spec is not None else ()
+
+    def _build_balancer(self, n_heads: int) -> None:
+        spec = self.balancer_spec
+        if spec is None or self.balancer is not None or spec.get("_target_") == "multiloss.balancers.Fixed":
+            return  # fixed: the recipe's own weighted sum, exactly as without balancers
+        names = [f"head{i}" for i in range(n_heads)]
+        weights = self.head_weights or [1.0] * n_heads
+        # The net's device: at setup Lightning already reports the target device while weights are on CPU.
+        self.balancer = build_module(spec, "balancer", tasks=names, base=weights).to(next(self.net.parameters()).device)
+
+    def _balanced_step(self, batch: dict[str, Any]) -> torch.Tensor:
+        per_head = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(self.net(batch["x"]))}
+        self.task_losses = per_head
+        losses = torch.stack(list(per_head.values()))
+        weights = self.balancer.weights(losses.detach())
+        extra = self.balancer.extra(losses)
+        total = (weights.to(losses.dtype) * losses).sum() + (0 if extra is None else extra)
+        self.log_losses({**per_head, "total": total.detach()}, batch_size=len(batch["y"]))
+        if self.balancer.adaptive:
+            self.log_train_values(tuple(f"weight/{name}" for name in per_head), weights.detach())
+        self._step_total = total
+        return total
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.balancer is None or not self.balancer.combines_gradients:
+            super().backward(loss, *args, **kwargs)
+            return
+        # PCGrad & co. get each head's own loss, scaled as Lightning scaled the total (1/k, AMP).
+        scale = torch.autograd.grad(loss, self._step_total, torch.ones_like(loss), retain_graph=True)[0]
+        assert self.task_losses is not None
+        self.balancer.backward([scale * h for h in self.task_losses.values()], list(self.net.parameters()))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.balancer is not None:
+            self.balancer.start_epoch(self.current_epoch, lambda t: self.trainer.strategy.reduce(t, reduce_op="mean"))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.balancer is not None:
+            checkpoint["multihead_heads"] = len(self.balancer.tasks)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Before the weights load: a balancer with state must exist to receive it.
+        if "multihead_heads" in checkpoint:
+            self._build_balancer(int(checkpoint["multihead_heads"]))
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)

@@ -123,7 +123,7 @@ def test_a_resumed_run_continues_the_balancer_exactly(make_cfg, tmp_path, balanc
     assert same_state(a, b)
 
 
-@pytest.mark.parametrize("recipe", ["multihead", "gan", "tbptt", "accumulation"])
+@pytest.mark.parametrize("recipe", ["gan", "tbptt", "accumulation"])
 def test_a_recipe_without_a_balancer_rejects_one_by_name(make_cfg, recipe):
     with pytest.raises(ConfigError, match=r"model\.balancer"):
         check_config(make_cfg(f"recipe={recipe}", "balancer=dwa"))
@@ -260,3 +260,62 @@ def test_every_balancer_trains_under_bf16_mixed(make_cfg, tmp_path, balancer):
         )
     )
     assert metrics and all(math.isfinite(v) for v in metrics.values())
+
+
+# --- multihead: the heads are the tasks --------------------------------------------------------------
+
+MULTIHEAD = ("recipe=multihead", "model.net.width=32", "data.batch_size=64", *BARE)
+
+
+def test_multihead_uncertainty_gradients_are_kendalls_and_the_balancer_reloads(make_cfg, tmp_path):
+    cfg = make_cfg(*MULTIHEAD, "balancer=uncertainty", "model.balancer.init_log_variance=[0.4,-0.2,0.9]")
+    datamodule, model = testing.build(cfg)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    before = testing.build(cfg)[1]  # the same initial weights (seeded), balancer made by the check below
+    before.check_components(testing.first_batch(datamodule))
+    batch = testing.first_batch(datamodule)
+    s = before.balancer.log_variance.detach()
+    losses = torch.stack([torch.nn.functional.cross_entropy(o, batch["y"]) for o in before.net(batch["x"])])
+    assert torch.allclose(grads["balancer.log_variance"], 1 - torch.exp(-s) * losses.detach(), atol=1e-6)
+    net = dict(before.net.named_parameters())
+    expected = torch.autograd.grad((torch.exp(-s) * losses).sum(), list(net.values()))
+    assert_gradients_close(
+        {k: v for k, v in grads.items() if k.startswith("net.")},
+        {f"net.{n}": g for n, g in zip(net, expected)},
+        atol=1e-6,
+    )
+    # A checkpoint carries the balancer, and loads with no argument (the heads come from it).
+    out = tmp_path / "run"
+    train(
+        make_cfg(
+            *MULTIHEAD,
+            "balancer=uncertainty",
+            "callbacks=default",
+            "~callbacks.progress_bar",
+            "~callbacks.loss_curves",
+            "trainer.max_steps=3",
+            output_dir=out,
+        )
+    )
+    from multiloss.recipes.multihead import MultiHead
+
+    loaded = MultiHead.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu")
+    saved = load_weights(out / "checkpoints" / "last.ckpt")
+    assert torch.equal(loaded.balancer.log_variance.detach(), saved["balancer.log_variance"])
+
+
+@pytest.mark.parametrize("balancer", ["dwa", "pcgrad"])
+def test_multihead_resumes_its_balancer_exactly(make_cfg, tmp_path, balancer):
+    common = (
+        *MULTIHEAD,
+        f"balancer={balancer}",
+        "callbacks=default",
+        "~callbacks.loss_curves",
+        "~callbacks.progress_bar",
+        "trainer.limit_train_batches=4",
+    )
+    straight, _, resumed = straight_and_resumed(
+        make_cfg, tmp_path, common, stop="trainer.max_steps=6", end="trainer.max_steps=12"
+    )
+    a, b = load_weights(straight / "checkpoints/last.ckpt"), load_weights(resumed / "checkpoints/last.ckpt")
+    assert any(k.startswith("balancer.") for k in a) and same_state(a, b)
