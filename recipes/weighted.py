@@ -182,7 +182,9 @@ class WeightedMultiTask(Recipe):
         losses = torch.stack(list(per_task.values()))
         weights = self.balancer.weights(losses.detach())
         extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
-        total = (weights * losses.detach()).sum() + (0 if extra is None else extra.detach())
+        total = (weights * losses.detach()).sum()
+        if extra is not None:
+            total = total + extra.detach()
         self.log_losses({**per_task, "total": total}, batch_size=len(batch["x"]))
         if self.balancer.adaptive:
             self.log_train_values(tuple(f"weight/{name}" for name in self.tasks), weights.detach())
