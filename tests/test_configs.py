@@ -37,6 +37,7 @@ RECIPE_OF = {
     "balancer/pcgrad.yaml": "weighted",
     "balancer/upgrad.yaml": "weighted",
     "balancer/mgda.yaml": "weighted",
+    "balancer/gradnorm.yaml": "weighted",
 }
 
 

@@ -259,3 +259,52 @@ class JacobianDescent(Balancer):
     def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
         grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
         accumulate_into_grads(grads, self.aggregator(grads.vectors))
+
+
+class GradNorm(Balancer):
+    """Chen et al. 2018 (GradNorm): task weights trained so the tasks' gradient norms train at equal rates.
+
+    Gᵢ = ‖∇_W wᵢ·Lᵢ‖ on the shared parameters W (found, as for PCGrad; the paper uses the last
+    shared layer), Ḡ their mean, rᵢ = (Lᵢ/Lᵢ(0)) / mean over tasks of the same. The weights wᵢ (in
+    the optimizer and checkpoint) get the gradient of Σᵢ |Gᵢ - Ḡ·rᵢ^α| with the target held constant,
+    i.e. sign(Gᵢ - Ḡrᵢ^α)·‖∇_W Lᵢ‖; the network gets Σ cᵢ·wᵢ·∇Lᵢ. Before each step the weights are
+    renormalised to sum to the number of tasks. ``alpha``: the restoring force (the paper's 0.12–3;
+    1.5 for its NYUv2 runs). One backward per task. Lᵢ(0) is each rank's first step's losses.
+    """
+
+    combines_gradients = True
+
+    def __init__(self, tasks: Sequence[str], base: Sequence[float], alpha: float = 1.5) -> None:
+        super().__init__(tasks, base)
+        require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
+        self.alpha = float(alpha)
+        self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
+        self.initial_losses = torch.full((len(self.tasks),), math.nan)  # rank-local: extra state, not a buffer
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # the paper's renormalisation: Σ wᵢ = K after every update
+            self.task_weight.mul_(len(self.tasks) / self.task_weight.sum())
+        return self.base * self.task_weight.detach()
+
+    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+        grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
+        values = torch.stack([loss.detach().float() for loss in losses])
+        if self.initial_losses.device != values.device:
+            self.initial_losses = self.initial_losses.to(values.device)
+        if bool(torch.isnan(self.initial_losses).any()):
+            self.initial_losses = values.clone()
+        w = self.task_weight.detach()
+        norms = grads.vectors.float().norm(dim=1)  # ‖∇_W cᵢLᵢ‖
+        g = w * norms
+        ratio = values / self.initial_losses
+        target = g.mean() * (ratio / ratio.mean()) ** self.alpha
+        weight_grad = torch.sign(g - target) * norms
+        weighted = grads.scaled(w)
+        accumulate_into_grads(weighted, weighted.vectors.sum(0))
+        torch.autograd.backward((self.task_weight * weight_grad.to(self.task_weight.dtype)).sum())
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"initial_losses": self.initial_losses.cpu()}
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.initial_losses = state["initial_losses"].clone()

@@ -21,7 +21,13 @@ class TaskGradients:
 
     shared: list[nn.Parameter]  # reached by more than one task
     vectors: torch.Tensor  # (tasks, n): task i's gradient on the shared parameters, flattened
-    own: list[tuple[nn.Parameter, torch.Tensor]]  # a parameter only one task reaches, and its gradient
+    own: list[tuple[nn.Parameter, torch.Tensor, int]]  # a parameter only one task reaches, its gradient, the task
+
+    def scaled(self, weights: torch.Tensor) -> TaskGradients:
+        """Every task's gradients times its weight (``weights[i]`` for task i)."""
+        weights = weights.to(self.vectors.dtype)
+        own = [(p, g * weights[task].to(g.dtype), task) for p, g, task in self.own]
+        return TaskGradients(self.shared, self.vectors * weights[:, None], own)
 
 
 def task_gradients(losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> TaskGradients:
@@ -36,9 +42,10 @@ def task_gradients(losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter
     for j, p in enumerate(params):
         if j in shared_index:
             continue
-        grads = [g[j] for g in per_task if g[j] is not None]
-        if grads:
-            own.append((p, torch.stack(grads).sum(0)))
+        reached = [(i, g[j]) for i, g in enumerate(per_task) if g[j] is not None]
+        if reached:
+            ((task, grad),) = reached  # not shared: one task at most
+            own.append((p, grad, task))
     shared = [params[j] for j in shared_index]
     vectors = torch.stack(
         [
@@ -70,6 +77,6 @@ def accumulate_into_grads(gradients: TaskGradients, shared_vector: torch.Tensor)
         n = p.numel()
         surrogate.append((p * shared_vector[offset : offset + n].view_as(p).to(p.dtype)).sum())
         offset += n
-    surrogate += [(p * g.detach()).sum() for p, g in gradients.own]
+    surrogate += [(p * g.detach()).sum() for p, g, _ in gradients.own]
     if surrogate:
         torch.autograd.backward(torch.stack([s.float() for s in surrogate]).sum())
