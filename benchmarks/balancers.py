@@ -22,7 +22,7 @@ from omegaconf import open_dict
 
 from multiloss import testing, train
 
-BALANCERS = ("fixed", "uncertainty", "dwa", "pcgrad", "upgrad", "mgda")
+BALANCERS = ("fixed", "uncertainty", "dwa", "pcgrad", "gradnorm", "upgrad", "mgda")
 QUIET = (
     "print_config=false",
     "~callbacks.progress_bar",
