@@ -11,6 +11,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from omegaconf import DictConfig
@@ -47,30 +48,32 @@ def with_training_overrides(args: Sequence[str]) -> list[str]:
     ckpt = next((o.split("=", 1)[1] for o in given if o.startswith("ckpt_path=")), None)
     if not ckpt:
         return list(args)
+    stored = _stored(ckpt)  # one read of the checkpoint for both of its entries
     training = [
         o
-        for o in parser.parse_overrides(_training_overrides(Path(ckpt)))
+        for o in parser.parse_overrides(_training_overrides(Path(ckpt), stored.get(OVERRIDES_KEY)))
         if o.key_or_group.lstrip("+~") not in keys and o.key_or_group.split(".")[0].split("/")[0] not in _NOT_CARRIED
     ]
     carried = [o.input_line for o in training if o.input_line]
     # The training run's own option dirs, unless this command line names its own.
-    dirs = _stored(ckpt, CONFIG_DIRS_KEY)
+    dirs = stored.get(CONFIG_DIRS_KEY)
     if dirs and not any(a.startswith(("--config-dir", "-cd", "hydra.searchpath")) for a in args):
         carried.insert(0, f"hydra.searchpath=[{','.join(map(str, dirs))}]")
     return carried + list(args)
 
 
-def _stored(ckpt: Path | str, key: str) -> object:
+def _stored(ckpt: Path | str) -> dict[str, Any]:
+    """The checkpoint's top-level entries (memory-mapped), or none if it cannot be read."""
     import torch
 
     try:
-        return torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get(key)
+        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # not a readable checkpoint: `verify_checkpoint` says so, naming ckpt_path
-        return None
+        return {}
+    return checkpoint if isinstance(checkpoint, dict) else {}
 
 
-def _training_overrides(ckpt: Path) -> list[str]:
-    stored = _stored(ckpt, OVERRIDES_KEY)
+def _training_overrides(ckpt: Path, stored: object) -> list[str]:
     if stored is None and (beside := ckpt.parent.parent / ".hydra" / "overrides.yaml").is_file():
         from omegaconf import OmegaConf
 
@@ -119,7 +122,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 def _check_split(cfg: DictConfig) -> None:
     """A validation or test example the checkpoint was trained on would flatter it: refuse another split."""
-    trained = _stored(cfg.ckpt_path, SPLIT_KEY)
+    trained = _stored(cfg.ckpt_path).get(SPLIT_KEY)
     if not isinstance(trained, dict):
         return
     for key, value in trained.items():

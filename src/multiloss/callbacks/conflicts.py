@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from multiloss.callbacks.plots import read_metrics
+from multiloss.callbacks.plots import logged_curves
 from multiloss.task_gradients import pairwise_cosines, task_gradients
 
 
@@ -62,12 +61,7 @@ class ConflictMonitor(L.Callback):
 
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        curves: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-        for row in read_metrics(trainer):
-            for name, value in row.items():
-                if name.startswith("conflict/cos/") and value not in ("", None):
-                    curves[name.removeprefix("conflict/cos/")][0].append(float(row["step"]))
-                    curves[name.removeprefix("conflict/cos/")][1].append(float(value))
+        curves = logged_curves(trainer, "conflict/cos/")
         if not curves:
             rank_zero_warn(f"ConflictMonitor: no conflict/cos/* values in a metrics.csv; {self.path} not written")
             return
@@ -77,8 +71,8 @@ class ConflictMonitor(L.Callback):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for pair in sorted(curves):
-            ax.plot(*curves[pair], label=pair, linewidth=1.2)
+        for name in sorted(curves):
+            ax.plot(*curves[name], label=name.removeprefix("conflict/cos/"), linewidth=1.2)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set(xlabel="step", ylabel="cosine of the tasks' gradients (shared layers)", ylim=(-1.05, 1.05))
         ax.legend(fontsize=8)

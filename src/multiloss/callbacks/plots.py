@@ -12,6 +12,17 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from multiloss.history import csv_logger, read_rows
 
 
+def logged_curves(trainer: L.Trainer, prefix: str) -> dict[str, tuple[list[float], list[float]]]:
+    """Every metrics.csv column whose name starts with ``prefix``: name -> (steps, values)."""
+    curves: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for row in read_metrics(trainer):
+        for name, value in row.items():
+            if name.startswith(prefix) and value not in ("", None):
+                curves[name][0].append(float(row["step"]))
+                curves[name][1].append(float(value))
+    return dict(curves)
+
+
 def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
     """The rows of the run's ``metrics.csv`` (flushed first; a resumed run's holds the earlier runs' too)."""
     logger = csv_logger(trainer)
@@ -34,13 +45,7 @@ class LossCurves(L.Callback):
 
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        curves: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-        for row in read_metrics(trainer):
-            for name, value in row.items():
-                if name.startswith(self.prefix) and value not in ("", None):
-                    steps, values = curves[name]
-                    steps.append(float(row["step"]))
-                    values.append(float(value))
+        curves = logged_curves(trainer, self.prefix)
         if not curves:
             rank_zero_warn(f"LossCurves: no '{self.prefix}*' columns in a metrics.csv; {self.path} not written")
             return
