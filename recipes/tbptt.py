@@ -49,6 +49,7 @@ from multiloss.module import Recipe, call_component, describe_batch, describe_ou
 from multiloss.nets import repackage_hidden
 
 LN2 = math.log(2.0)
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: a target with this id is not scored
 
 
 class TruncatedBPTT(Recipe):
@@ -62,15 +63,18 @@ class TruncatedBPTT(Recipe):
             ``(batch, time, vocabulary size)``. When the net's config leaves out ``vocab_size`` and
             its class takes one, the recipe passes the data's vocabulary size.
         optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
-        data: batches with ``x`` (token ids ``(batch, seq_len)``) and ``y`` (the next tokens). The
-            vocabulary is the data module's ``vocab`` (`multiloss.data.text.Vocabulary`: UTF-8
-            bytes, a file's characters, or a number of opaque ids), or ``vocab`` here: null = the
-            data's (UTF-8 bytes when the data module has none), a string of characters, or a size.
+        data: batches with ``x`` (token ids ``(batch, seq_len)``) and ``y`` (the next tokens), and
+            optionally ``mask`` (y's shape, 1 where a target is scored, 0 on padding; a target id of
+            -100, cross_entropy's ``ignore_index``, is not scored either). The vocabulary is the
+            data module's ``vocab`` (`multiloss.data.text.Vocabulary`: UTF-8 bytes, a file's
+            characters, or a number of opaque ids), or ``vocab`` here: null = the data's (UTF-8
+            bytes when the data module has none), a string of characters, or a size.
 
     Each batch's sequences are split by *length* into chunks of ``chunk_length`` tokens
     (``torch.split``; the last chunk is shorter when the length does not divide ``seq_len``;
     ``chunk_length ≥ seq_len`` is one chunk, i.e. full BPTT). Per chunk: forward from the carried
-    state, ``manual_backward`` of the chunk's mean cross-entropy, gradient clipping by norm
+    state, ``manual_backward`` of the chunk's mean cross-entropy over its scored tokens (a chunk with
+    none adds no gradient), gradient clipping by norm
     (``gradient_clip_val``, ``self.clip_gradients``), optimizer step, then the state detached
     (`multiloss.nets.repackage_hidden`). The state starts empty for every batch (the sequences of a
     batch are shuffled windows, not continuations of the previous batch's).
@@ -84,7 +88,16 @@ class TruncatedBPTT(Recipe):
     always steps (no gradient is carried into the next batch). ``k ≥`` the number of chunks gives
     one step per batch on the mean of its truncated chunk gradients.
 
-    Logs ``loss/ce`` (nats/token, mean over the batch's chunks) and ``train/bpc`` per step;
+    Every chunk of a step weighs the same there, so the tokens of a short chunk (the last, when
+    ``chunk_length`` does not divide ``seq_len``) or of a padded one weigh more than a full chunk's,
+    and under DDP a rank's tokens weigh 1/world size whatever their number. ``count_exact: true``
+    weighs every scored token of a step the same, across its chunks and every rank's (their counts
+    all-reduced once per batch): the step's gradient is that of the mean loss over all those tokens,
+    as one backward of their summed loss would give (proven in tests; `multiloss.testing.tbptt_gradients`
+    with ``count_exact=True`` is the reference). Under DDP the ranks' batches must split into the
+    same number of chunks (one ``seq_len``), as the step count already requires.
+
+    Logs ``loss/ce`` (nats per scored token, over the batch) and ``train/bpc`` per step;
     ``val/loss/ce`` and ``val/bpc`` (cross-entropy / ln 2: bits per character, or per byte at the
     byte level) per epoch on the held-out slice, over full sequences without chunking (the forward
     with a carried state gives the same outputs; chunking changes only where backward stops). At
@@ -95,7 +108,8 @@ class TruncatedBPTT(Recipe):
     Raises:
         ConfigError: ``chunk_length``, ``accumulate_grad_batches`` or ``sample_length`` < 1;
             ``gradient_clip_val`` ≤ 0; ``sample_temperature`` < 0; a ``sample_prompt`` the vocabulary
-            cannot encode; ``trainer.gradient_clip_val`` / ``trainer.gradient_clip_algorithm`` set (use
+            cannot encode; at setup, a ``mask`` that is not 0/1 of ``y``'s shape, or a scored target id
+            outside the vocabulary; ``trainer.gradient_clip_val`` / ``trainer.gradient_clip_algorithm`` set (use
             ``model.gradient_clip_val``) or ``trainer.accumulate_grad_batches`` > 1 (use
             ``model.accumulate_grad_batches``): Lightning cannot do either under manual
             optimization; at setup (before any step or write), a net that does not return
@@ -119,6 +133,7 @@ class TruncatedBPTT(Recipe):
         sample_length: int = 300,
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
+        count_exact: bool = False,
         compile: bool = False,
     ) -> None:
         super().__init__(compile=compile)
@@ -153,6 +168,7 @@ class TruncatedBPTT(Recipe):
         self.automatic_optimization = False
         self.accumulation = ManualAccumulation(self, accumulate_grad_batches)
         self.chunk_length, self.gradient_clip_val = chunk_length, gradient_clip_val
+        self.count_exact = bool(count_exact)
         self.net = build_module(net, "net", vocab_size=len(self.vocab))
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.val_bpc = MeanMetric()
@@ -198,12 +214,25 @@ class TruncatedBPTT(Recipe):
                 f"multiloss: model.chunk_length={self.chunk_length} exceeds the sequences' length "
                 f"({batch['x'].shape[1]}, data.seq_len): one chunk per sequence, i.e. full BPTT, no truncation"
             )
-        too_big = int(batch["y"].max()) if batch["y"].numel() else -1
+        if "mask" in batch:
+            mask = batch["mask"]
+            require(
+                isinstance(mask, torch.Tensor)
+                and mask.shape == batch["y"].shape
+                and bool(((mask == 0) | (mask == 1)).all()),
+                "data",
+                f"<mask {describe_output(mask)}>",
+                f"a 0/1 (or boolean) mask of y's shape {tuple(batch['y'].shape)}: 1 where a target token is scored, "
+                "0 on padding",
+            )
+        scored = self.scored_targets(batch)
+        scored = scored[scored != IGNORE_INDEX]
+        wrong = scored[(scored < 0) | (scored >= vocab)]
         require(
-            too_big < vocab,
+            wrong.numel() == 0,
             "data",
-            f"<token id {too_big}>",
-            f"token ids below the vocabulary size {vocab} ({self.vocab})",
+            f"<token id {int(wrong[0]) if wrong.numel() else None}>",
+            f"target ids in [0, {vocab}) ({self.vocab}), or {IGNORE_INDEX} (or mask 0) on padding",
             "the data holds ids the net has no logits for",
         )
         call_component(
@@ -252,27 +281,55 @@ class TruncatedBPTT(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)
         opt = self.optimizers()
+        y = self.scored_targets(batch)
         # By length: chunks of chunk_length tokens (tensor_split(x, k) would make k chunks).
         xs = torch.split(batch["x"], self.chunk_length, dim=1)
-        ys = torch.split(batch["y"], self.chunk_length, dim=1)
-        chunks = list(zip(xs, ys))
+        ys = torch.split(y, self.chunk_length, dim=1)
+        tokens = torch.stack([(target != IGNORE_INDEX).sum() for target in ys])
+        scales = self.chunk_scales(tokens)
         hidden = None
-        nll_sum = batch["y"].new_zeros((), dtype=torch.float32)
-        for i, (x, y) in enumerate(chunks):
-            last = i == len(chunks) - 1
+        nll_sum = y.new_zeros((), dtype=torch.float32)
+        for i, (x, target) in enumerate(zip(xs, ys)):
+            last = i == len(xs) - 1
             with self.accumulation.micro_batch(opt, i, last=last) as backward:
                 logits, hidden = self.net(x, hidden)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                backward(loss)
+                nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+                backward(nll * scales[i])
                 if self.gradient_clip_val is not None and self.accumulation.steps_on(i, last):
                     # Clip the (accumulated) gradient that is about to be stepped, by global norm.
                     self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
             # After the step: the next chunk starts from these values, its backward ends here.
             hidden = self.repackage_hidden(hidden)
-            nll_sum = nll_sum + loss.detach() * y.numel()
-        ce = nll_sum / batch["y"].numel()
-        self.log_losses({"ce": ce}, batch_size=len(batch["y"]))
+            nll_sum = nll_sum + nll.detach().float()
+        ce = nll_sum / tokens.sum().clamp(min=1)
+        self.log_losses({"ce": ce}, batch_size=len(y))
         self.log_train_values(("train/bpc",), (ce / LN2).reshape(1))
+
+    @staticmethod
+    def scored_targets(batch: dict[str, Any]) -> torch.Tensor:
+        """``y`` with the tokens that are not scored (``mask`` 0) set to ``IGNORE_INDEX``, cross_entropy's skip id."""
+        y = batch["y"]
+        return y.masked_fill(batch["mask"] == 0, IGNORE_INDEX) if "mask" in batch else y
+
+    def chunk_scales(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What multiplies each chunk's summed token loss before `ManualAccumulation`'s 1/k.
+
+        Default: 1 / the chunk's scored tokens (its mean loss: every chunk of a step weighs the same,
+        a short or padded chunk's tokens more than a full one's). ``count_exact``: k · world size /
+        the scored tokens of the chunk's whole step on every rank, which the 1/k and DDP's mean over
+        ranks take back out, so the step's gradient is the mean over all those tokens. One all-reduce
+        of the batch's per-step token counts (under DDP); no host sync. A step with no scored token
+        on any rank gets a zero gradient.
+        """
+        if not self.count_exact:
+            return 1 / tokens.clamp(min=1).float()
+        k = self.accumulation.every
+        step_of_chunk = torch.arange(len(tokens), device=tokens.device) // k
+        per_step = torch.zeros(int(step_of_chunk[-1]) + 1, device=tokens.device).index_add_(
+            0, step_of_chunk, tokens.float()
+        )
+        per_step = self.trainer.strategy.reduce(per_step, reduce_op="sum")
+        return (k * self.trainer.world_size / per_step.clamp(min=1))[step_of_chunk]
 
     @staticmethod
     def repackage_hidden(hidden: Any) -> Any:
@@ -285,10 +342,11 @@ class TruncatedBPTT(Recipe):
         batch = self.named_batch(batch)
         # Whole sequences at once: without backward there is no graph to truncate.
         logits, _ = self.net(batch["x"], None)
-        ce = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
-        n_tokens = batch["y"].numel()
+        y = self.scored_targets(batch)
+        n_tokens = (y != IGNORE_INDEX).sum()
+        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").float() / n_tokens.clamp(min=1)
         self.log_losses({"ce": ce}, prefix=f"{self.stage}/loss/", batch_size=n_tokens)
-        # Weighted by tokens, reduced over ranks by torchmetrics: the exact mean over the slice.
+        # Weighted by scored tokens, reduced over ranks by torchmetrics: the exact mean over the slice.
         self.val_bpc.update(ce / LN2, weight=n_tokens)
         self.log(f"{self.stage}/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -85,3 +86,30 @@ def same_state(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
     return a == b
+
+
+def padded_token_npz(
+    path: Path, n: int = 16, seq_len: int = 24, vocab: int = 11, longest: int = 24, seed: int = 0
+) -> Path:
+    """A user's variable-length token data as ``data=npz`` takes it: ``x``/``y`` padded with id 0 to
+    ``seq_len``, and ``mask`` (bool, 1 on the ``lengths`` real targets), lengths 1..``longest``."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=(n, seq_len + 1))
+    lengths = rng.integers(1, longest + 1, size=n)
+    mask = np.arange(seq_len)[None, :] < lengths[:, None]
+    x, y = np.where(mask, tokens[:, :-1], 0), np.where(mask, tokens[:, 1:], 0)
+    np.savez(path, x=x, y=y, mask=mask)
+    return path
+
+
+def padded_tbptt(path: Path, vocab: int = 11) -> tuple[str, ...]:
+    """The overrides that train tbptt on `padded_token_npz` data at ``path``."""
+    return (
+        "recipe=tbptt",
+        "data=npz",
+        f"data.path={path}",
+        "data.val_fraction=0",
+        f"model.vocab={vocab}",
+        "model.sample_prompt='1 2'",
+        "model.sample_length=5",
+    )

@@ -331,7 +331,7 @@ def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
     assert any(k.startswith("balancer.") for k in names)  # the balancer's state (DWA's weights, sᵢ) too
 
 
-@pytest.mark.parametrize("balancer", ["pcgrad", "upgrad"])
+@pytest.mark.parametrize("balancer", ["pcgrad", "gradnorm", "upgrad"])
 def test_gradient_balancers_all_reduce_once_per_step_under_accumulation(tmp_path, balancer):
     out = tmp_path / "ddp"
     _train(

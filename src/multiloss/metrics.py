@@ -25,7 +25,9 @@ class EpochMeans(nn.ModuleDict):
     value's device. Its states are not persistent, so checkpoints keep the same keys.
     """
 
-    def log(self, module: L.LightningModule, values: Mapping[str, torch.Tensor], prefix: str, batch_size: int) -> None:
+    def log(
+        self, module: L.LightningModule, values: Mapping[str, torch.Tensor], prefix: str, batch_size: int | torch.Tensor
+    ) -> None:
         """Add this batch's ``values`` (means over ``batch_size`` examples) and log each as ``<prefix><name>``."""
         if not hasattr(self, "_path"):  # where the module holds it: Lightning finds logged metrics by path
             self._path = next(name for name, child in module.named_modules() if child is self)

@@ -205,7 +205,7 @@ class Recipe(L.LightningModule):
         self,
         losses: Mapping[str, torch.Tensor],
         prefix: str = "loss/",
-        batch_size: int | None = None,
+        batch_size: int | torch.Tensor | None = None,
         report: bool = True,
     ) -> None:
         """Log each component under its own name (``loss/head0``, ...) beside the total.
@@ -221,7 +221,7 @@ class Recipe(L.LightningModule):
         Training values also go to the non-finite guard, unless ``report`` is false (already reported).
         """
         if not self.training:
-            self.epoch_means.log(self, losses, prefix, batch_size or 1)
+            self.epoch_means.log(self, losses, prefix, 1 if batch_size is None else batch_size)
             return
         names = tuple(f"{prefix}{name}" for name in losses)
         values = _stacked(losses.values())

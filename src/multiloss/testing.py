@@ -257,24 +257,39 @@ def tbptt_gradients(
     every: int = 1,
     clip: float | None = None,
     prefix: str = "net.",
+    count_exact: bool = False,
 ) -> list[Gradients]:
     """The hand-written TBPTT loop: per chunk forward, ``backward(loss / every)``, step, ``hidden.detach()``.
 
     Chunks are cut by index (``x[:, s:s + chunk_length]``); every ``every`` chunks (and at the last)
     the gradient is recorded, clipped by global norm to ``clip`` if given, and an SGD step of
-    ``lr`` is taken by hand. Returns the gradient of each step (what `step_gradients` captures from
-    the recipe with SGD at ``lr``).
+    ``lr`` is taken by hand. A chunk's loss is its mean cross-entropy over its scored targets (not
+    where ``batch["mask"]`` is 0 or the target is -100; a chunk with none adds nothing). With
+    ``count_exact`` each step is instead one backward of the summed cross-entropy of all its
+    chunks' scored targets divided by their number: the gradient of one batch of those tokens.
+    Returns the gradient of each step (what `step_gradients` captures from the recipe with SGD at ``lr``).
     """
     net = copy.deepcopy(net)
     net.zero_grad(set_to_none=True)
     x, y = batch["x"], batch["y"]
+    if "mask" in batch:
+        y = y.masked_fill(batch["mask"] == 0, -100)
     starts = list(range(0, x.shape[1], chunk_length))
     hidden, steps = None, []
+    step_sum, step_tokens = 0.0, 0
     for i, s in enumerate(starts):
         logits, hidden = net(x[:, s : s + chunk_length], hidden)
-        target = y[:, s : s + chunk_length]
-        (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) / every).backward()
+        target = y[:, s : s + chunk_length].reshape(-1)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, reduction="sum")
+        tokens = int((target != -100).sum())
+        if count_exact:
+            step_sum, step_tokens = step_sum + nll, step_tokens + tokens
+        else:
+            (nll / max(tokens, 1) / every).backward()
         if (i + 1) % every == 0 or i == len(starts) - 1:
+            if count_exact:
+                (step_sum / max(step_tokens, 1)).backward()
+                step_sum, step_tokens = 0.0, 0
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
             steps.append(_grads(net, prefix))

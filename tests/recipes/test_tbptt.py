@@ -9,9 +9,11 @@ seeds' pitfall, shown on the real module with the detach removed.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ from multiloss import ConfigError, testing, train
 from multiloss.data.text import TextDataModule, Vocabulary, pydoc_text
 from multiloss.testing import GradientCapture, assert_gradients_close
 from tests.conftest import load_weights, run_cli
-from tests.helpers import straight_and_resumed
+from tests.helpers import padded_tbptt, padded_token_npz, straight_and_resumed
 
 TINY = (
     "recipe=tbptt",
@@ -405,6 +407,112 @@ def test_vocabulary_is_fixed_and_validation_is_the_held_out_tail():
         assert len(train_chars) <= cut  # disjoint: the training windows end before the cut
         tails.append(val_text[:5000])
     assert tails[0] == tails[1]  # the held-out characters do not move with seq_len
+
+
+# ------------------------------------------------------------------ count-exact accumulation
+
+
+def test_count_exact_weighs_the_short_last_chunk_like_the_others(make_cfg):
+    """40 tokens = chunks of 16 + 16 + 8, k=3: one step per batch. Per-chunk means / k weigh each of
+    the last chunk's tokens twice; ``count_exact`` steps on the mean over all 40·b tokens, the
+    gradient one backward of their summed loss gives."""
+    common = (*ONE_BATCH, "optimizer=sgd", "model.optimizer.lr=0.1", "data.seq_len=40", "model.chunk_length=16")
+    cfg = make_cfg(*common, "model.accumulate_grad_batches=3", "model.count_exact=true")
+    datamodule, model = testing.build(cfg)
+    (captured,) = testing.step_gradients(model, datamodule, steps=1)
+    batch = testing.first_batch(datamodule)
+    (exact,) = testing.tbptt_gradients(model.net, batch, chunk_length=16, every=3, count_exact=True)
+    testing.assert_gradients_close(captured, exact, atol=1e-6)
+    # The reference is what it says: the summed token loss of the three chunks over their count.
+    net = copy.deepcopy(model.net)
+    hidden, total = None, 0.0
+    for x, y in zip(batch["x"].split(16, dim=1), batch["y"].split(16, dim=1)):
+        logits, hidden = net(x, hidden)
+        total = total + F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+        hidden = tuple(h.detach() for h in hidden)
+    (total / batch["y"].numel()).backward()
+    testing.assert_gradients_close(exact, {f"net.{k}": v.grad for k, v in net.named_parameters()}, atol=1e-6)
+    # Not vacuous: Lightning-style 1/k per chunk gives another gradient.
+    (per_chunk,) = testing.tbptt_gradients(model.net, batch, chunk_length=16, every=3)
+    assert (per_chunk["net.head.bias"] - exact["net.head.bias"]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("count_exact", [False, True])
+def test_padded_sequences_score_only_their_masked_tokens(make_cfg, tmp_path, count_exact):
+    """Variable-length sequences padded to 24 with a mask: no sequence is longer than 16, so the third
+    chunk is all padding (a zero gradient, not NaN). Per chunk each step is the mean over its scored
+    tokens; with ``count_exact`` over the scored tokens of the whole step (k=2: chunks 1-2, then 3)."""
+    data = padded_token_npz(tmp_path / "tokens.npz", n=16, seq_len=24, longest=16)
+    cfg = make_cfg(
+        *ONE_BATCH,
+        *padded_tbptt(data),
+        "optimizer=sgd",
+        "model.optimizer.lr=0.5",
+        "model.chunk_length=8",
+        "model.accumulate_grad_batches=2",
+        f"model.count_exact={count_exact}",
+        "data.shuffle=false",
+    )
+    datamodule, model = testing.build(cfg)
+    captured = testing.step_gradients(model, datamodule, steps=2)
+    batch = testing.first_batch(datamodule)
+    assert (
+        bool((batch["mask"][:, 16:] == 0).all()) and 0 < batch["mask"][:, 8:16].sum() < batch["mask"][:, 8:16].numel()
+    )
+    reference = testing.tbptt_gradients(model.net, batch, chunk_length=8, lr=0.5, every=2, count_exact=count_exact)
+    assert len(captured) == len(reference) == 2
+    for got, want in zip(captured, reference):
+        testing.assert_gradients_close(got, want, atol=1e-6)
+    assert all(float(g.abs().max()) == 0 for g in captured[1].values())  # the all-padding step
+    assert all(bool(torch.isfinite(g).all()) for g in captured[0].values())
+    # Padding changes the gradient: scoring the padded targets too would give another one.
+    unmasked = {k: v for k, v in batch.items() if k != "mask"}
+    (everything, _) = testing.tbptt_gradients(model.net, unmasked, chunk_length=8, every=2, count_exact=count_exact)
+    assert (everything["net.head.bias"] - captured[0]["net.head.bias"]).abs().max() > 1e-4
+
+
+def test_padded_data_trains_and_validates_on_scored_tokens(make_cfg, tmp_path):
+    data = padded_token_npz(tmp_path / "tokens.npz", n=40, seq_len=24)
+    metrics = train(
+        make_cfg(
+            *TINY,
+            *padded_tbptt(data),
+            "data.val_fraction=0.25",
+            "model.chunk_length=8",
+            "model.count_exact=true",
+            "trainer.max_epochs=2",
+            output_dir=tmp_path / "run",
+        )
+    )
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    # val/bpc is the mean over the held-out scored tokens: recompute it from the checkpoint.
+    module = TruncatedBPTT.load_from_checkpoint(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
+    datamodule = instantiate(make_cfg(*TINY, *padded_tbptt(data), "data.val_fraction=0.25").data)
+    datamodule.setup("fit")
+    val = datamodule.val_set[:]
+    with torch.no_grad():
+        logits, _ = module.net(val["x"], None)
+    scored = val["mask"].bool()
+    ce = F.cross_entropy(logits[scored], val["y"][scored])
+    assert metrics["val/bpc"] == pytest.approx(float(ce) / math.log(2), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "hint"),
+    [
+        ({"mask": np.full((16, 24), 2)}, "0/1 (or boolean) mask"),
+        ({"mask": np.ones((16, 23), dtype=bool)}, "of y's shape"),
+        ({"y": np.full((16, 24), 11)}, "target ids in [0, 11)"),
+    ],
+)
+def test_bad_masks_and_targets_are_refused_before_training(make_cfg, tmp_path, arrays, hint):
+    data = padded_token_npz(tmp_path / "tokens.npz", n=16, seq_len=24)
+    with np.load(data) as saved:
+        np.savez(data, **{**dict(saved), **arrays})
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*TINY, *padded_tbptt(data), output_dir=tmp_path / "run"))
+    assert err.value.key == "data" and hint in str(err.value)
+    assert not (tmp_path / "run/checkpoints").exists()
 
 
 # ---------------------------------------------------------------------- rejected settings
