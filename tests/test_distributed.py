@@ -20,8 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from multiloss.testing import assert_gradients_close
-from tests.conftest import CONFIG_DIR, QUIET, ROOT, load_weights, run_cli
+from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
+from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_weights, run_cli
+from tests.helpers import padded_tbptt, padded_token_npz
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -346,3 +347,55 @@ def test_gradient_balancers_all_reduce_once_per_step_under_accumulation(tmp_path
     for counts in _counts(out):
         assert counts["optimizer_steps"] == 3
         assert counts["allreduces"] == 3, counts  # the surrogate backward reaches DDP's reducer, no_sync kept
+
+
+# Count-exact accumulation: the counts of a step's examples (tokens) are those of every rank.
+
+
+def test_count_exact_accumulation_on_two_ranks_equals_one_batch_of_all_examples(tmp_path):
+    """2 ranks × 16 × k=4 with ``count_exact`` == 1 rank × one batch of 128, through the epoch's short
+    last step (2 × 15 examples): every step is the mean over all its examples, each weighing the same."""
+    common = ("recipe=accumulation", "data.shuffle=false", "trainer.max_epochs=1", "trainer.limit_val_batches=0")
+    two = _train(
+        tmp_path / "ddp",
+        *common,
+        *DDP,
+        "data.batch_size=16",
+        "trainer.accumulate_grad_batches=4",
+        "model.count_exact=true",
+    )
+    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=128", "trainer.accumulate_grad_batches=1")
+    assert torch.load(two / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 12  # 11 full + the short one
+    _assert_same_weights(two, one)
+
+
+def test_tbptt_count_exact_sums_every_ranks_tokens(tmp_path):
+    """Padded sequences of 1-24 scored tokens: 2 ranks × 2 sequences with ``count_exact`` == 1 rank × 4,
+    every step the mean over both ranks' scored tokens (the ranks' counts differ)."""
+    data = padded_token_npz(tmp_path / "tokens.npz", n=16, seq_len=24)
+    common = (
+        *padded_tbptt(data),
+        "data.shuffle=false",
+        "optimizer=sgd",
+        "model.optimizer.lr=0.5",
+        "model.gradient_clip_val=null",
+        "model.chunk_length=8",
+        "model.accumulate_grad_batches=2",
+        "model.count_exact=true",
+        "trainer.max_steps=8",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=2")
+    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=4")
+    _assert_same_weights(two, one)
+    # Not vacuous: averaging each rank's own token mean (what per-rank counts would give) differs.
+    datamodule, module = build(
+        compose_config([*padded_tbptt(data), "data.shuffle=false", "data.batch_size=4"], tmp_path)
+    )
+    batch = first_batch(datamodule)
+    halves = [{k: v[r::2] for k, v in batch.items()} for r in (0, 1)]
+    assert halves[0]["mask"].sum() != halves[1]["mask"].sum()
+    exact = tbptt_gradients(module.net, batch, chunk_length=8, every=2, count_exact=True)[0]["net.head.bias"]
+    per_rank = [tbptt_gradients(module.net, h, chunk_length=8, every=2, count_exact=True)[0] for h in halves]
+    assert (exact - (per_rank[0]["net.head.bias"] + per_rank[1]["net.head.bias"]) / 2).abs().max() > 1e-4
