@@ -1,8 +1,8 @@
 """LightningDataModules over data that ships offline (nothing downloads at run time), and the user's own files."""
 
 from multiloss.data.arrays import ArrayDataModule
-from multiloss.data.digits import DigitsDataModule
+from multiloss.data.digits import DigitPairsDataModule, DigitsDataModule
 from multiloss.data.npz import NpzDataModule
 from multiloss.data.text import TextDataModule, Vocabulary
 
-__all__ = ["ArrayDataModule", "DigitsDataModule", "NpzDataModule", "TextDataModule", "Vocabulary"]
+__all__ = ["ArrayDataModule", "DigitPairsDataModule", "DigitsDataModule", "NpzDataModule", "TextDataModule", "Vocabulary"]

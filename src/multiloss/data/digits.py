@@ -1,10 +1,12 @@
-"""scikit-learn's handwritten digits: 1797 8×8 grey images in 10 classes, shipped with the package."""
+"""scikit-learn's handwritten digits: 1797 8×8 grey images in 10 classes, shipped with the package; and pairs of them."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
+from multiloss.config import require
 from multiloss.data.arrays import ArrayDataModule
 
 
@@ -22,3 +24,34 @@ class DigitsDataModule(ArrayDataModule):
         x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
         y = torch.tensor(digits.target, dtype=torch.long)
         return {"x": x, "y": y, "parity": (y % 2).float(), "ink": x.mean(dim=1)}
+
+
+class DigitPairsDataModule(ArrayDataModule):
+    """Two digits in one image, MultiMNIST-style (Sener & Koltun 2018): a multi-task set whose tasks compete.
+
+    Example i overlays digit image i (top left) and image ``π(i)`` (bottom right, π a fixed
+    permutation drawn from ``pair_seed``) on a 12×12 canvas, shifted by ``offset`` pixels on both
+    axes; where they overlap a pixel is the brighter of the two. Batch keys: ``x`` (144 pixels in
+    [0, 1], float32), ``left`` and ``right`` (the two classes, int64). One trunk must keep both digits
+    apart in the shared pixels, so the two tasks' gradients on it disagree more often than the
+    digits tasks' do (``monitor=conflicts`` measures it).
+
+    Raises:
+        ConfigError: ``offset`` outside [0, 4] (the canvas is 8 + 4 pixels wide); the base class's checks.
+    """
+
+    def __init__(self, offset: int = 3, pair_seed: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        require(0 <= offset <= 4, "offset", offset, "an integer in [0, 4] (0 = the two digits fully overlaid)")
+        self.offset, self.pair_seed = offset, pair_seed
+
+    def load(self) -> dict[str, torch.Tensor]:
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        partner = torch.from_numpy(np.random.default_rng(self.pair_seed).permutation(len(labels)))
+        canvas = torch.zeros(len(labels), 12, 12)
+        canvas[:, :8, :8] = images
+        o = self.offset
+        canvas[:, o : o + 8, o : o + 8] = torch.maximum(canvas[:, o : o + 8, o : o + 8], images[partner])
+        return {"x": canvas.flatten(1), "left": labels, "right": labels[partner]}
