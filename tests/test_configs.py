@@ -81,6 +81,9 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
         "data/npz.yaml": [f"data.path={npz_file}"],
         "data/text.yaml": [f"data.path={ROOT / 'README.md'}"],
         "callbacks/early_stopping.yaml": ["callbacks.early_stopping.monitor=val/acc"],
+        "net/digit_pairs_mlp.yaml": ["experiment=digit_pairs"],
+        "tasks/digit_pairs.yaml": ["experiment=digit_pairs"],
+        "data/digit_pairs.yaml": ["experiment=digit_pairs"],
     }
     if rel.startswith("hparams_search/") and not HAS_OPTUNA_SWEEPER:
         pytest.skip("the optuna extra (hydra-optuna-sweeper) is not installed")

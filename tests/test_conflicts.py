@@ -79,3 +79,26 @@ def test_multihead_heads_conflict_on_the_layers_they_share(make_cfg, tmp_path):
     assert len(rows) == 2
     assert {"conflict/cos/head0-head2", "conflict/cos/head1-head2"} <= set(rows[0])
     assert all(-1 <= float(r["conflict/cos/head0-head1"]) <= 1 for r in rows)
+
+
+def test_digit_pairs_experiment_trains_its_competing_tasks_under_a_balancer(make_cfg, tmp_path):
+    """``experiment=digit_pairs`` selects recipe, data, tasks and net together; balancers and the
+    monitor work on its two tasks as on the digits'."""
+    cfg = make_cfg(
+        "experiment=digit_pairs",
+        "balancer=pcgrad",
+        "monitor=conflicts",
+        *BARE,
+        "logger=csv",
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=2",
+        output_dir=tmp_path,
+    )
+    assert cfg.model._target_.endswith("WeightedMultiTask") and cfg.data._target_.endswith("DigitPairsDataModule")
+    assert set(cfg.model.net.heads) == set(cfg.model.tasks) == {"left", "right"}
+    metrics = train(cfg)
+    assert {"loss/left", "loss/right"} <= set(metrics)
+    rows = [r for r in csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()) if r.get("conflict/cos/left-right")]
+    assert len(rows) == 6
+    assert all(-1 <= float(r["conflict/cos/left-right"]) <= 1 for r in rows)
+    assert 0 <= float(rows[-1]["conflict/negative/left-right"]) <= 1

@@ -8,7 +8,7 @@ import torch
 
 from multiloss.batches import as_dict
 from multiloss.config import ConfigError
-from multiloss.data import DigitsDataModule, NpzDataModule, TextDataModule
+from multiloss.data import DigitPairsDataModule, DigitsDataModule, NpzDataModule, TextDataModule
 
 
 def _order(loader) -> list[int]:
@@ -34,6 +34,36 @@ def test_digits_split_is_fixed_and_disjoint():
     # The targets derived for multi-task models: odd/even and the mean ink of each image.
     assert torch.equal(batch["parity"], (batch["y"] % 2).float())
     assert torch.allclose(batch["ink"], batch["x"].mean(dim=1))
+
+
+def test_digit_pairs_hold_both_digits_with_their_classes():
+    """Each 12×12 image is digit i top left and its partner bottom right (brighter pixel where they meet)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images, labels = torch.tensor(digits.images, dtype=torch.float32) / 16.0, torch.tensor(digits.target)
+    data = DigitPairsDataModule(offset=3, val_fraction=0.0)
+    arrays = data.load()
+    assert arrays["x"].shape == (1797, 144) and arrays["left"].dtype == arrays["right"].dtype == torch.long
+    canvas = arrays["x"].view(-1, 12, 12)
+    assert torch.equal(arrays["left"], labels)
+    for i in (0, 1, 500, 1796):
+        # Left: image i where the partner does not reach; at (3, 3): the max of a digit of class
+        # right[i] and image i's overlapping part.
+        assert canvas[i, :3, :8].equal(images[i, :3]) and canvas[i, :8, :3].equal(images[i, :, :3])
+        left_part = torch.nn.functional.pad(images[i, 3:, 3:], (0, 3, 0, 3))
+        assert any(
+            torch.equal(canvas[i, 3:11, 3:11], torch.maximum(images[j], left_part))
+            for j in torch.nonzero(labels == arrays["right"][i]).flatten().tolist()
+        )
+    # Pairs are a fixed permutation: every image is some example's right digit once; not the identity.
+    assert torch.bincount(arrays["right"], minlength=10).tolist() == torch.bincount(labels, minlength=10).tolist()
+    assert (arrays["left"] != arrays["right"]).float().mean() > 0.8
+    assert torch.equal(DigitPairsDataModule(offset=3).load()["x"], arrays["x"])  # no randomness but pair_seed
+    assert not torch.equal(DigitPairsDataModule(offset=3, pair_seed=1).load()["right"], arrays["right"])
+    with pytest.raises(ConfigError) as err:
+        DigitPairsDataModule(offset=5)
+    assert err.value.key == "offset"
 
 
 def test_training_order_is_a_function_of_seed_and_epoch():

@@ -5,4 +5,11 @@ from multiloss.data.digits import DigitPairsDataModule, DigitsDataModule
 from multiloss.data.npz import NpzDataModule
 from multiloss.data.text import TextDataModule, Vocabulary
 
-__all__ = ["ArrayDataModule", "DigitPairsDataModule", "DigitsDataModule", "NpzDataModule", "TextDataModule", "Vocabulary"]
+__all__ = [
+    "ArrayDataModule",
+    "DigitPairsDataModule",
+    "DigitsDataModule",
+    "NpzDataModule",
+    "TextDataModule",
+    "Vocabulary",
+]

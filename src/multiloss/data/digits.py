@@ -1,4 +1,4 @@
-"""scikit-learn's handwritten digits: 1797 8×8 grey images in 10 classes, shipped with the package; and pairs of them."""
+"""scikit-learn's handwritten digits (1797 8×8 grey images, 10 classes; shipped with the package), and pairs of them."""
 
 from __future__ import annotations
 
