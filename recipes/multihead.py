@@ -57,7 +57,7 @@ class MultiHead(Recipe):
     """
 
     # What the recipe gives its balancer itself (the config sets neither).
-    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base")}
+    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base", "net")}
 
     def __init__(
         self,
@@ -158,7 +158,9 @@ class MultiHead(Recipe):
         names = [f"head{i}" for i in range(n_heads)]
         weights = self.head_weights or [1.0] * n_heads
         # The net's device: at setup Lightning already reports the target device while weights are on CPU.
-        self.balancer = build_module(spec, "balancer", tasks=names, base=weights).to(next(self.net.parameters()).device)
+        # Built at setup, outside the model's instantiation: its errors name the full key.
+        self.balancer = build_module(spec, "model.balancer", tasks=names, base=weights, net=self.net)
+        self.balancer.to(next(self.net.parameters()).device)
 
     def _balanced_step(self, batch: dict[str, Any]) -> torch.Tensor:
         per_head = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(self.net(batch["x"]))}

@@ -86,7 +86,7 @@ class WeightedMultiTask(Recipe):
     """
 
     # What the recipe gives its balancer itself (the config sets neither).
-    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base")}
+    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base", "net")}
 
     def __init__(
         self, net: Any, tasks: Any, optimizer: Any = None, balancer: Any = None, compile: bool = False
@@ -98,13 +98,18 @@ class WeightedMultiTask(Recipe):
         # The weights of the one backward (multiloss.balancers): the configured ones by default. A
         # module, so its weights follow the recipe to its device (and dtype under bf16-true), its
         # parameters join the optimizer and its state the checkpoint.
+        # The net is built first (a gradient-level balancer's `shared` names its layers) but registered
+        # after the balancer, which keeps the parameters' order, hence the optimizer state's, as it was.
+        network = build_module(net, "net")
         names, weights = list(self.tasks), [t.weight for t in self.tasks.values()]
         self.balancer = (
-            Fixed(names, weights) if balancer is None else build_module(balancer, "balancer", tasks=names, base=weights)
+            Fixed(names, weights)
+            if balancer is None
+            else build_module(balancer, "balancer", tasks=names, base=weights, net=network)
         )
         self._backward_weights: torch.Tensor | None = None  # set by each training_step
         self._step_losses: torch.Tensor | None = None  # the vector it returned (gradient-level balancers)
-        self.net = build_module(net, "net")
+        self.net = network
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})
         self.loss_modules = loss_modules(self.tasks)  # losses with state (pos_weight, ...) follow the device

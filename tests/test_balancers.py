@@ -213,6 +213,43 @@ def test_pcgrad_in_the_recipe_is_the_papers_step(make_cfg):
             assert torch.allclose(grads[f"net.heads.{task}.{n}"], g, atol=1e-6)
 
 
+def test_pcgrad_on_named_shared_layers_projects_only_those(make_cfg):
+    """``shared=[trunk.1]``: that layer gets Σ PCGrad(cᵢ·∇Lᵢ); the first trunk layer, reached by every task
+    but not named, gets the plain Σ cᵢ·∇Lᵢ."""
+    cfg = make_cfg(*WEIGHTED, "balancer=pcgrad", "model.balancer.shuffle=false", "model.balancer.shared=[trunk.1]")
+    datamodule, model = testing.build(cfg)
+    before = copy.deepcopy(model)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    _, per_task = before.task_losses_of(testing.first_batch(datamodule))
+    c = [t.weight for t in before.tasks.values()]
+    for prefix, projected in (("net.trunk.1.", True), ("net.trunk.0.", False)):
+        layer = {n: p for n, p in before.named_parameters() if n.startswith(prefix)}
+        per_task_layer = [
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(w * loss, list(layer.values()), retain_graph=True)])
+            for w, loss in zip(c, per_task.values())
+        ]
+        plain = sum(per_task_layer)
+        expected = (
+            torch.tensor(_pcgrad_by_hand([v.tolist() for v in per_task_layer], [[1, 2], [0, 2], [0, 1]]))
+            if projected
+            else plain
+        )
+        got = torch.cat([grads[n].reshape(-1) for n in layer])
+        assert torch.allclose(got, expected.to(got.dtype), atol=1e-6)
+        assert projected != torch.allclose(got, plain, atol=1e-6)  # the tasks conflict on that layer
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [("[trunk.9]", "trunk.9"), ("[]", "[]"), ("[heads.digit,nothing]", "nothing")]
+)
+def test_shared_names_that_match_no_layer_are_refused(make_cfg, value, shown):
+    with pytest.raises(ConfigError) as err:
+        testing.build(make_cfg(*WEIGHTED, "balancer=gradnorm", f"model.balancer.shared={value}"))
+    assert err.value.key == "model.balancer.shared" and shown in str(err.value)
+    if value != "[]":
+        assert "trunk.0.0" in str(err.value)  # the names it would accept
+
+
 # --- torchjd's aggregators ------------------------------------------------------------------------------
 
 
@@ -317,15 +354,18 @@ def test_multihead_uncertainty_gradients_are_kendalls_and_the_balancer_reloads(m
 # --- GradNorm ------------------------------------------------------------------------------------------
 
 
-def test_gradnorm_weight_update_is_the_gradient_of_its_loss(make_cfg):
+@pytest.mark.parametrize(("shared", "layers"), [(None, "net.trunk."), ("[trunk.1]", "net.trunk.1.")])
+def test_gradnorm_weight_update_is_the_gradient_of_its_loss(make_cfg, shared, layers):
     """First step (w = 1, every rᵢ = 1): the weights' gradient is d/dwᵢ Σ|Gᵢ - Ḡ| = sign(Gᵢ - Ḡ)·‖∇_W cᵢLᵢ‖,
-    and the network's gradient is the plain Σ cᵢ∇Lᵢ."""
-    datamodule, model = testing.build(make_cfg(*WEIGHTED, "balancer=gradnorm"))
+    and the network's gradient is the plain Σ cᵢ∇Lᵢ. W: the whole trunk (found), or with
+    ``shared=[trunk.1]`` the paper's last shared layer only."""
+    override = [f"model.balancer.shared={shared}"] if shared else []
+    datamodule, model = testing.build(make_cfg(*WEIGHTED, "balancer=gradnorm", *override))
     before = copy.deepcopy(model)
     (grads,) = testing.step_gradients(model, datamodule, steps=1)
     _, per_task = before.task_losses_of(testing.first_batch(datamodule))
     c = [t.weight for t in before.tasks.values()]
-    trunk = [p for n, p in before.named_parameters() if n.startswith("net.trunk.")]
+    trunk = [p for n, p in before.named_parameters() if n.startswith(layers)]
     norms = torch.stack(
         [
             torch.cat([g.reshape(-1) for g in torch.autograd.grad(w * loss, trunk, retain_graph=True)]).norm()

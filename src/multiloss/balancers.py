@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from multiloss.config import require
-from multiloss.task_gradients import accumulate_into_grads, task_gradients
+from multiloss.task_gradients import TaskGradients, accumulate_into_grads, select_parameters, task_gradients
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -71,6 +71,36 @@ class Balancer(nn.Module):
         At a batch, not at an epoch's end: a checkpoint taken at an epoch's end is saved before the
         module's epoch-end hook runs, and a run resumed from it never calls that hook.
         """
+
+
+class GradientBalancer(Balancer):
+    """A balancer that combines the tasks' gradients itself: one backward per task, then its own sum.
+
+    ``shared``: the shared parameters its rule works on, as names of ``model.net``'s modules or
+    parameters (``[trunk.4]``: GradNorm's "last shared layer"); null finds them (those more than one
+    task's loss reaches). Any other parameter gets each task's weighted gradient, summed. ``net``: the
+    recipe's network, passed by the recipe to resolve the names.
+    """
+
+    adaptive = False
+    combines_gradients = True
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+    ) -> None:
+        super().__init__(tasks, base)
+        require(shared is None or net is not None, "shared", shared, "null, unless the recipe passes its net")
+        # A plain list, not a submodule: the net's own parameters, resolved once.
+        self.shared_parameters = None if shared is None else select_parameters(net, shared)
+
+    def task_gradients(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> TaskGradients:
+        """Each task's gradient of cᵢ·Lᵢ (the configured weight), on the shared parameters and the rest."""
+        weighted = [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
+        return task_gradients(weighted, params, self.shared_parameters)
 
 
 class Fixed(Balancer):
@@ -176,7 +206,7 @@ def dwa_weights(before_last: torch.Tensor, last: torch.Tensor, temperature: floa
     return len(last) * torch.softmax((last / before_last) / temperature, dim=0)
 
 
-class PCGrad(Balancer):
+class PCGrad(GradientBalancer):
     """Yu et al. 2020 (PCGrad): project each task's gradient off the tasks it conflicts with, then sum.
 
     For each task i, in a random order of the other tasks j (the paper's Algorithm 1; ``shuffle:
@@ -188,11 +218,16 @@ class PCGrad(Balancer):
     all-reduce per task.
     """
 
-    adaptive = False
-    combines_gradients = True
-
-    def __init__(self, tasks: Sequence[str], base: Sequence[float], shuffle: bool = True, seed: int = 0) -> None:
-        super().__init__(tasks, base)
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        shuffle: bool = True,
+        seed: int = 0,
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+    ) -> None:
+        super().__init__(tasks, base, shared, net)
         self.shuffle = bool(shuffle)
         self.generator = torch.Generator().manual_seed(int(seed))
 
@@ -200,7 +235,7 @@ class PCGrad(Balancer):
         return self.base
 
     def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
+        grads = self.task_gradients(losses, params)
         accumulate_into_grads(grads, pcgrad(grads.vectors, self.orders(len(self.tasks))))
 
     def orders(self, n: int) -> list[list[int]]:
@@ -232,7 +267,7 @@ def pcgrad(vectors: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tens
     return total
 
 
-class JacobianDescent(Balancer):
+class JacobianDescent(GradientBalancer):
     """A torchjd aggregator (``torchjd.aggregation``: UPGrad, MGDA, ...) of the tasks' Jacobian on shared parameters.
 
     The Jacobian's rows are the tasks' gradients cᵢ·∇Lᵢ on the shared parameters (found, as for
@@ -243,13 +278,15 @@ class JacobianDescent(Balancer):
     torchjd.aggregation.UPGrad``). Needs the ``torchjd`` extra.
     """
 
-    adaptive = False
-    combines_gradients = True
-
     def __init__(
-        self, tasks: Sequence[str], base: Sequence[float], aggregator: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        aggregator: Callable[[torch.Tensor], torch.Tensor],
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
     ) -> None:
-        super().__init__(tasks, base)
+        super().__init__(tasks, base, shared, net)
         require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
         self.aggregator = aggregator
 
@@ -257,25 +294,32 @@ class JacobianDescent(Balancer):
         return self.base
 
     def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
+        grads = self.task_gradients(losses, params)
         accumulate_into_grads(grads, self.aggregator(grads.vectors))
 
 
-class GradNorm(Balancer):
+class GradNorm(GradientBalancer):
     """Chen et al. 2018 (GradNorm): task weights trained so the tasks' gradient norms train at equal rates.
 
-    Gᵢ = ‖∇_W wᵢ·Lᵢ‖ on the shared parameters W (found, as for PCGrad; the paper uses the last
-    shared layer), Ḡ their mean, rᵢ = (Lᵢ/Lᵢ(0)) / mean over tasks of the same. The weights wᵢ (in
+    Gᵢ = ‖∇_W wᵢ·Lᵢ‖ on the shared parameters W (found, as for PCGrad; the paper's last shared layer
+    with ``shared: [<its name>]``), Ḡ their mean, rᵢ = (Lᵢ/Lᵢ(0)) / mean over tasks of the same. The weights wᵢ (in
     the optimizer and checkpoint) get the gradient of Σᵢ |Gᵢ - Ḡ·rᵢ^α| with the target held constant,
     i.e. sign(Gᵢ - Ḡrᵢ^α)·‖∇_W Lᵢ‖; the network gets Σ cᵢ·wᵢ·∇Lᵢ. Before each step the weights are
     renormalised to sum to the number of tasks. ``alpha``: the restoring force (the paper's 0.12–3;
     1.5 for its NYUv2 runs). One backward per task. Lᵢ(0) is each rank's first step's losses.
     """
 
-    combines_gradients = True
+    adaptive = True
 
-    def __init__(self, tasks: Sequence[str], base: Sequence[float], alpha: float = 1.5) -> None:
-        super().__init__(tasks, base)
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        alpha: float = 1.5,
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+    ) -> None:
+        super().__init__(tasks, base, shared, net)
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
         self.alpha = float(alpha)
         self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
@@ -287,7 +331,7 @@ class GradNorm(Balancer):
         return self.base * self.task_weight.detach()
 
     def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        grads = task_gradients([c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)], params)
+        grads = self.task_gradients(losses, params)
         values = torch.stack([loss.detach().float() for loss in losses])
         if self.initial_losses.device != values.device:
             self.initial_losses = self.initial_losses.to(values.device)

@@ -109,9 +109,15 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
 
 
 def _remove_if_empty(cfg: DictConfig) -> None:
-    """A rejected run leaves no trace: Hydra made its run dir before the config was checked."""
-    with contextlib.suppress(Exception):  # not empty, or not made: left as it is
-        Path(cfg.paths.output_dir).rmdir()
+    """A rejected run leaves no trace: Hydra made its run dir before the config was checked, and a
+    check at setup (the component contracts) comes after the logger made its version dir. Only
+    empty directories go; a dir with any file in it (an earlier run's) stays as it is."""
+    root = Path(cfg.paths.output_dir)
+    with contextlib.suppress(Exception):  # not made: nothing to do
+        for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):  # not empty
+                folder.rmdir()
+        root.rmdir()
 
 
 def _print_error(kind: str, message: str) -> None:

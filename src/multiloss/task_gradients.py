@@ -2,17 +2,20 @@
 
 One ``torch.autograd.grad`` per task (the graph kept until the last), so K tasks cost K backward
 passes — the price of any method that looks at the tasks' gradients one by one. The *shared*
-parameters are found, not configured: those that more than one task's loss reaches (a trunk),
-so the shipped nets and a user's own need no key.
+parameters are found: those that more than one task's loss reaches (a trunk), so the shipped nets
+and a user's own need no key; a balancer's ``shared`` key names them instead (e.g. GradNorm's last
+shared layer only, as in its paper), `select_parameters`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from multiloss.config import require
 
 
 @dataclass
@@ -21,7 +24,8 @@ class TaskGradients:
 
     shared: list[nn.Parameter]  # reached by more than one task
     vectors: torch.Tensor  # (tasks, n): task i's gradient on the shared parameters, flattened
-    own: list[tuple[nn.Parameter, torch.Tensor, int]]  # a parameter only one task reaches, its gradient, the task
+    # Every other parameter a task reaches, with that task's gradient and index (once per task reaching it).
+    own: list[tuple[nn.Parameter, torch.Tensor, int]]
 
     def scaled(self, weights: torch.Tensor) -> TaskGradients:
         """Every task's gradients times its weight (``weights[i]`` for task i)."""
@@ -30,23 +34,32 @@ class TaskGradients:
         return TaskGradients(self.shared, self.vectors * weights[:, None], own)
 
 
-def task_gradients(losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> TaskGradients:
-    """``∇ losses[i]`` for every task, split into the shared parameters' vectors and the task-own parameters."""
+def task_gradients(
+    losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter], shared: Collection[nn.Parameter] | None = None
+) -> TaskGradients:
+    """``∇ losses[i]`` for every task, split into the shared parameters' vectors and the rest.
+
+    ``shared``: the parameters to treat as shared (None: those more than one task reaches). A
+    parameter outside them that several tasks reach keeps each task's gradient apart, so a balancer
+    weighs it per task but projects or normalises only on the shared ones.
+    """
     params = [p for p in params if p.requires_grad]
     per_task = [
         torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=False)
         for loss in losses
     ]
-    shared_index = [j for j in range(len(params)) if sum(g[j] is not None for g in per_task) > 1]
-    own = []
-    for j, p in enumerate(params):
-        if j in shared_index:
-            continue
-        reached = [(i, g[j]) for i, g in enumerate(per_task) if g[j] is not None]
-        if reached:
-            ((task, grad),) = reached  # not shared: one task at most
-            own.append((p, grad, task))
-    shared = [params[j] for j in shared_index]
+    if shared is None:
+        shared_index = [j for j in range(len(params)) if sum(g[j] is not None for g in per_task) > 1]
+    else:
+        chosen = {id(p) for p in shared}
+        shared_index = [j for j, p in enumerate(params) if id(p) in chosen]
+    own = [
+        (p, g[j], task)
+        for j, p in enumerate(params)
+        if j not in shared_index
+        for task, g in enumerate(per_task)
+        if g[j] is not None
+    ]
     vectors = torch.stack(
         [
             torch.cat([(g[j] if g[j] is not None else torch.zeros_like(params[j])).reshape(-1) for j in shared_index])
@@ -55,7 +68,36 @@ def task_gradients(losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter
             for g in per_task
         ]
     )
-    return TaskGradients(shared, vectors, own)
+    return TaskGradients([params[j] for j in shared_index], vectors, own)
+
+
+def select_parameters(net: nn.Module, names: Sequence[str], key: str = "shared") -> list[nn.Parameter]:
+    """The parameters of ``net`` whose names are, or start with, one of ``names`` (module paths: ``trunk.2``).
+
+    Raises:
+        ConfigError: ``names`` empty or not a list of strings, or a name that matches no parameter.
+    """
+    named = dict(net.named_parameters())
+    require(
+        isinstance(names, Sequence) and not isinstance(names, str) and len(names) > 0,
+        key,
+        names,
+        "null (found: the parameters more than one task reaches) or a non-empty list of model.net's "
+        "module or parameter names, e.g. [trunk]",
+    )
+    chosen: dict[int, nn.Parameter] = {}
+    modules = sorted({n.rsplit(".", 1)[0] for n in named if "." in n})
+    for name in names:
+        hits = [p for n, p in named.items() if n == name or n.startswith(f"{name}.")]
+        require(
+            isinstance(name, str) and bool(hits),
+            key,
+            name,
+            f"a name of model.net's modules or parameters: {', '.join(modules) or ', '.join(named)}",
+            "it matches no parameter",
+        )
+        chosen.update((id(p), p) for p in hits)
+    return list(chosen.values())
 
 
 def pairwise_cosines(vectors: torch.Tensor) -> torch.Tensor:
