@@ -96,26 +96,13 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, recipe):
     val = sorted(k for k in logged_one if k.startswith("val/"))
     assert "val/acc" in val or "val/acc/digit" in val, val
     assert {k: logged_two[k] for k in val} == pytest.approx({k: logged_one[k] for k in val}, abs=1e-6)
-
-
-def test_lr_rule_counts_the_ranks(tmp_path):
-    """accumulation: the effective batch is batch_size × k × world_size. 2 ranks × 16 × k=2 and 1 rank
-    × 32 × k=2 both step on 64 examples, so both use lr 0.1 × 64/64; a rule that forgot the ranks
-    would give the DDP run 0.05 (and the weights of the test above would differ)."""
-    steps = ("trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0")
-    two = _train(
-        tmp_path / "ddp", "recipe=accumulation", *DDP, "data.batch_size=16", "trainer.accumulate_grad_batches=2", *steps
-    )
-    one = _train(
-        tmp_path / "one", "recipe=accumulation", *ONE, "data.batch_size=32", "trainer.accumulate_grad_batches=2", *steps
-    )
-    for out, world_size in ((two, 2), (one, 1)):
-        scaling = json.loads((out / "lr_scaling.json").read_text())
-        assert (scaling["world_size"], scaling["effective_batch_size"]) == (world_size, 64)
-        assert _last_logged(out)["lr-SGD"] == pytest.approx(0.1 * 64 / 64)
-    # And 2 ranks at the recipe's own batch (32 × k=4 × 2 = 256 vs base 64): linear gives 0.4.
-    big = _train(tmp_path / "big", "recipe=accumulation", *DDP, *steps)
-    assert _last_logged(big)["lr-SGD"] == pytest.approx(0.4)
+    if recipe == "accumulation":
+        # The LR rule counts the ranks: 2 × 16 × k=2 and 1 × 32 × k=2 both step on 64 examples, lr
+        # 0.1 × 64/64 (a rule that forgot the ranks would give the DDP run 0.05, and other weights).
+        for out, world_size in ((two, 2), (one, 1)):
+            scaling = json.loads((out / "lr_scaling.json").read_text())
+            assert (scaling["world_size"], scaling["effective_batch_size"]) == (world_size, 64)
+            assert scaling["lr"] == pytest.approx(0.1)
 
 
 def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path):
@@ -367,6 +354,10 @@ def test_count_exact_accumulation_on_two_ranks_equals_one_batch_of_all_examples(
     one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=128", "trainer.accumulate_grad_batches=1")
     assert torch.load(two / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 12  # 11 full + the short one
     _assert_same_weights(two, one)
+    # Both at linear LR scaling: 16 × 4 × 2 ranks = 128 × 1 × 1 = 128 vs base 64, SGD's 0.1 × 2.
+    for out, world_size in ((two, 2), (one, 1)):
+        assert json.loads((out / "lr_scaling.json").read_text())["world_size"] == world_size
+        assert _last_logged(out)["lr-SGD"] == pytest.approx(0.2)
 
 
 def test_tbptt_count_exact_sums_every_ranks_tokens(tmp_path):
