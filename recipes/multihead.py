@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss.balancers import Balancer
+from multiloss.balancers import Balancer, save_balancer_state
 from multiloss.batches import require_keys
 from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
@@ -187,11 +187,12 @@ class MultiHead(Recipe):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self.balancer is not None:
-            self.balancer.start_epoch(self.current_epoch, lambda t: self.trainer.strategy.reduce(t, reduce_op="mean"))
+            self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.balancer is not None:
             checkpoint["multihead_heads"] = len(self.balancer.tasks)
+            save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Before the weights load: a balancer with state must exist to receive it.

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from multiloss.balancers import Fixed
+from multiloss.balancers import Fixed, save_balancer_state
 from multiloss.batches import require_keys
 from multiloss.components import build_module, build_optimizer_factory, name_of, objects_given, plain
 from multiloss.config import ConfigError
@@ -229,7 +229,7 @@ class WeightedMultiTask(Recipe):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self.balancer.start_epoch(self.current_epoch, lambda t: self.trainer.strategy.reduce(t, reduce_op="mean"))
+        self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
 
     # --- validation --------------------------------------------------------------------------------
 
@@ -294,6 +294,7 @@ class WeightedMultiTask(Recipe):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["task_metrics_history"] = list(self.history)
+        save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.history = list(checkpoint.get("task_metrics_history", []))

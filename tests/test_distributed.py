@@ -309,8 +309,15 @@ BALANCED = (
 
 @pytest.mark.parametrize("balancer", ["uncertainty", "dwa"])
 def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
+    """DWA's 2-rank run also stops mid-epoch (step 3 of 3 × 2) and resumes: its running loss sums
+    are each rank's own, and the checkpoint's mean of them gives the same epoch means."""
     common = (*BALANCED, f"balancer={balancer}")
-    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16")
+    if balancer == "dwa":
+        first = _train(tmp_path / "ddp_first", *common, *DDP, "data.batch_size=16", "trainer.max_steps=3")
+        resume = (f"ckpt_path={first / 'checkpoints/last.ckpt'}",)
+    else:
+        resume = ()
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16", *resume)
     one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=32")
     # Not DWA's running sums of the current epoch (extra state): each rank's are its own half.
     wa, wb = (load_weights(run / "checkpoints/last.ckpt") for run in (two, one))

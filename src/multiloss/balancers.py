@@ -72,6 +72,21 @@ class Balancer(nn.Module):
         module's epoch-end hook runs, and a run resumed from it never calls that hook.
         """
 
+    def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, torch.Tensor] | None:
+        """The extra state a checkpoint should hold instead of this rank's own (None: this rank's).
+
+        Called on every rank while a checkpoint is saved (a collective is allowed); the file holds
+        rank zero's copy, which every rank loads on resume.
+        """
+        return None
+
+
+def save_balancer_state(balancer: Balancer, checkpoint: dict, reduce: Reduce, prefix: str = "balancer.") -> None:
+    """Put ``balancer.checkpoint_extra_state`` into ``checkpoint`` (a recipe's ``on_save_checkpoint``, every rank)."""
+    state = balancer.checkpoint_extra_state(reduce)
+    if state is not None:
+        checkpoint["state_dict"][f"{prefix}_extra_state"] = state
+
 
 class GradientBalancer(Balancer):
     """A balancer that combines the tasks' gradients itself: one backward per task, then its own sum.
@@ -159,7 +174,8 @@ class DynamicWeightAverage(Balancer):
         self.temperature = float(temperature)
         n = len(self.tasks)
         # All in the checkpoint: a run resumed mid-epoch continues the epoch's sums. The sums are this
-        # rank's own, so not buffers: DDP broadcasts rank zero's buffers into every rank at each forward.
+        # rank's own, so not buffers: DDP broadcasts rank zero's buffers into every rank at each forward
+        # (a checkpoint holds their mean over the ranks, `checkpoint_extra_state`).
         self.epoch_sum = torch.zeros(n)
         self.epoch_count = torch.zeros(())
         self.register_buffer("epoch_means", torch.full((2, n), math.nan))  # epochs t-2, t-1
@@ -190,6 +206,12 @@ class DynamicWeightAverage(Balancer):
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         return {"epoch_sum": self.epoch_sum.cpu(), "epoch_count": self.epoch_count.cpu()}
+
+    def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, torch.Tensor]:
+        # The ranks' mean of the running sums: every rank resumes with it, and as the epoch's mean is
+        # averaged over the ranks (equal counts), mean(partial) + each rank's rest gives the same mean
+        # as each rank's own partial sum would have. Exact mid-epoch resume under DDP too.
+        return {"epoch_sum": reduce(self.epoch_sum.clone()).cpu(), "epoch_count": self.epoch_count.cpu()}
 
     def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.epoch_sum, self.epoch_count = state["epoch_sum"].clone(), state["epoch_count"].clone()

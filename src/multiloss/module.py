@@ -251,6 +251,10 @@ class Recipe(L.LightningModule):
             return self._step_index
         return max(self.trainer.fit_loop.epoch_loop._batches_that_stepped - 1, 0)
 
+    def mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` averaged over the ranks (itself on one device): a collective, every rank calls it."""
+        return self.trainer.strategy.reduce(tensor, reduce_op="mean")
+
     def on_after_backward(self) -> None:
         self.task_losses = None  # the graph is freed: nothing to hold on to
 
