@@ -328,7 +328,7 @@ class GradNorm(GradientBalancer):
     the optimizer and checkpoint) get the gradient of Σᵢ |Gᵢ - Ḡ·rᵢ^α| with the target held constant,
     i.e. sign(Gᵢ - Ḡrᵢ^α)·‖∇_W Lᵢ‖; the network gets Σ cᵢ·wᵢ·∇Lᵢ. Before each step the weights are
     renormalised to sum to the number of tasks. ``alpha``: the restoring force (the paper's 0.12–3;
-    1.5 for its NYUv2 runs). One backward per task. Lᵢ(0) is each rank's first step's losses.
+    1.5 for its NYUv2 runs). One backward per task. Lᵢ(0): the first step's losses, averaged over the ranks.
     """
 
     adaptive = True
@@ -345,7 +345,11 @@ class GradNorm(GradientBalancer):
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
         self.alpha = float(alpha)
         self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
-        self.initial_losses = torch.full((len(self.tasks),), math.nan)  # rank-local: extra state, not a buffer
+        self.initial_losses = torch.full((len(self.tasks),), math.nan)  # extra state: not broadcast by DDP
+        self._mean_over_ranks: Reduce | None = None
+
+    def start_epoch(self, epoch: int, reduce: Reduce) -> None:
+        self._mean_over_ranks = reduce
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # the paper's renormalisation: Σ wᵢ = K after every update
@@ -358,7 +362,9 @@ class GradNorm(GradientBalancer):
         if self.initial_losses.device != values.device:
             self.initial_losses = self.initial_losses.to(values.device)
         if bool(torch.isnan(self.initial_losses).any()):
-            self.initial_losses = values.clone()
+            # The ranks' mean: the same Lᵢ(0) on every rank, so a resumed run (which loads rank
+            # zero's) goes on as the straight one would.
+            self.initial_losses = self._mean_over_ranks(values.clone()) if self._mean_over_ranks else values.clone()
         w = self.task_weight.detach()
         norms = grads.vectors.float().norm(dim=1)  # ‖∇_W cᵢLᵢ‖
         g = w * norms
