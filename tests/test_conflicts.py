@@ -19,9 +19,20 @@ def _rows(out):
     return [r for r in csv.DictReader(next(out.rglob("metrics.csv")).open()) if r.get("conflict/cos/digit-parity")]
 
 
-def test_logged_cosines_are_the_task_gradients_on_the_trunk(make_cfg, tmp_path):
+@pytest.mark.parametrize(
+    ("balancer", "layers"),
+    [((), "net.trunk."), (("balancer=pcgrad", "model.balancer.shared=[trunk.1]"), "net.trunk.1.")],
+    ids=["found", "named"],
+)
+def test_logged_cosines_are_the_task_gradients_on_the_trunk(make_cfg, tmp_path, balancer, layers):
+    """On the shared layers: the trunk (found), or the layers the balancer's ``shared`` key names."""
     cfg = make_cfg(
-        *WEIGHTED, "monitor=conflicts", "trainer.max_steps=1", "trainer.log_every_n_steps=1", output_dir=tmp_path
+        *WEIGHTED,
+        *balancer,
+        "monitor=conflicts",
+        "trainer.max_steps=1",
+        "trainer.log_every_n_steps=1",
+        output_dir=tmp_path,
     )
     datamodule, model = testing.build(cfg)
     before = copy.deepcopy(model)
@@ -29,7 +40,7 @@ def test_logged_cosines_are_the_task_gradients_on_the_trunk(make_cfg, tmp_path):
     (row,) = _rows(tmp_path)
 
     _, per_task = before.task_losses_of(testing.first_batch(datamodule))
-    trunk = [p for n, p in before.named_parameters() if n.startswith("net.trunk.")]
+    trunk = [p for n, p in before.named_parameters() if n.startswith(layers)]
     grads = {
         task: torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, trunk, retain_graph=True)])
         for task, loss in per_task.items()

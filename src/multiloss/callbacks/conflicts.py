@@ -22,7 +22,8 @@ class ConflictMonitor(L.Callback):
     step's per-task losses as ``task_losses`` (multihead, weighted), whatever its balancer. Cost: one
     extra backward per task, on monitored steps only (every ``trainer.log_every_n_steps``); the
     gradients are computed apart from training's, which they do not change. Shared parameters: those
-    that more than one task's loss reaches. Rank zero's own batch under DDP.
+    that more than one task's loss reaches, or those a balancer's ``shared`` key names. Rank zero's
+    own batch under DDP.
     """
 
     def __init__(self, dirpath: str, filename: str = "conflicts.png") -> None:
@@ -37,7 +38,9 @@ class ConflictMonitor(L.Callback):
         if not trainer.is_global_zero:
             return
         params = [p for name, p in pl_module.named_parameters() if not name.startswith("balancer.")]
-        grads = task_gradients(list(losses.values()), params)
+        # The layers a gradient-level balancer was told are shared (its `shared` key), else the found ones.
+        shared = getattr(getattr(pl_module, "balancer", None), "shared_parameters", None)
+        grads = task_gradients(list(losses.values()), params, shared)
         if not grads.shared:
             return
         cos = pairwise_cosines(grads.vectors.float())
