@@ -14,7 +14,7 @@ from multiloss import testing, train
 from multiloss.balancers import DynamicWeightAverage, Fixed, Uncertainty, dwa_weights, pcgrad
 from multiloss.config import ConfigError, check_config
 from multiloss.testing import assert_gradients_close
-from tests.conftest import BARE, load_weights
+from tests.conftest import BARE, QUIET, load_weights, run_cli
 from tests.helpers import same_state, straight_and_resumed
 
 WEIGHTED = ("recipe=weighted", "model.net.width=32", "data.batch_size=64", *BARE)
@@ -293,10 +293,17 @@ def test_jacobian_descent_conflicts_with_no_task_on_two_quadratics(aggregator):
     assert (torch.stack([-2 * a, -2 * b]) @ w.grad >= -1e-9).all()
 
 
-@pytest.mark.parametrize("balancer", ["fixed", "uncertainty", "dwa", "pcgrad", "upgrad", "gradnorm"])
-def test_every_balancer_trains_under_bf16_mixed(make_cfg, tmp_path, balancer):
-    if balancer == "upgrad" and find_spec("torchjd") is None:
+ALL = ["fixed", "uncertainty", "dwa", "pcgrad", "gradnorm", "upgrad", "mgda"]
+
+
+def _needs_torchjd(balancer: str) -> None:
+    if balancer in ("upgrad", "mgda") and find_spec("torchjd") is None:
         pytest.skip("the torchjd extra is not installed")
+
+
+@pytest.mark.parametrize("balancer", ALL)
+def test_every_balancer_trains_under_bf16_mixed(make_cfg, tmp_path, balancer):
+    _needs_torchjd(balancer)
     metrics = train(
         make_cfg(
             *WEIGHTED,
@@ -312,6 +319,27 @@ def test_every_balancer_trains_under_bf16_mixed(make_cfg, tmp_path, balancer):
 # --- multihead: the heads are the tasks --------------------------------------------------------------
 
 MULTIHEAD = ("recipe=multihead", "model.net.width=32", "data.batch_size=64", *BARE)
+
+
+@pytest.mark.parametrize("balancer", ALL)
+def test_every_balancer_trains_the_multihead_recipe(make_cfg, tmp_path, balancer):
+    _needs_torchjd(balancer)
+    cfg = make_cfg(*MULTIHEAD, f"balancer={balancer}", "trainer.max_steps=3", output_dir=tmp_path)
+    datamodule, model = testing.build(cfg)
+    steps = testing.step_gradients(model, datamodule, steps=3)
+    assert len(steps) == 3 and all(bool(torch.isfinite(g).all()) for step in steps for g in step.values())
+    assert not torch.equal(steps[0]["net.blocks.0.0.weight"], steps[2]["net.blocks.0.0.weight"])  # it stepped
+    assert (model.balancer is None) == (balancer == "fixed")  # fixed: the recipe's own weighted sum
+
+
+def test_a_balancer_trains_from_the_shell(tmp_path):
+    """The issue's own line, as a user types it (``multiloss-train`` is the same entry point)."""
+    out = tmp_path / "run"
+    proc = run_cli("recipe=weighted", "balancer=gradnorm", "trainer.max_steps=4", *QUIET, f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "checkpoints/last.ckpt").is_file()
+    header = next(out.rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    assert {"weight/digit", "weight/parity", "weight/ink"} <= set(header)
 
 
 def test_multihead_uncertainty_gradients_are_kendalls_and_the_balancer_reloads(make_cfg, tmp_path):
