@@ -325,9 +325,8 @@ class TruncatedBPTT(Recipe):
             return 1 / tokens.clamp(min=1).float()
         k = self.accumulation.every
         step_of_chunk = torch.arange(len(tokens), device=tokens.device) // k
-        per_step = torch.zeros(int(step_of_chunk[-1]) + 1, device=tokens.device).index_add_(
-            0, step_of_chunk, tokens.float()
-        )
+        n_steps = (len(tokens) - 1) // k + 1  # from the chunk count, not the tensor: no host sync
+        per_step = torch.zeros(n_steps, device=tokens.device).index_add_(0, step_of_chunk, tokens.float())
         per_step = self.trainer.strategy.reduce(per_step, reduce_op="sum")
         return (k * self.trainer.world_size / per_step.clamp(min=1))[step_of_chunk]
 

@@ -95,12 +95,12 @@ class WeightedMultiTask(Recipe):
         net, tasks, optimizer, balancer = plain(net), plain(tasks), plain(optimizer), plain(balancer)
         self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer, balancer=balancer), logger=False)
         self.tasks = build_tasks(tasks)
-        # The weights of the one backward (multiloss.balancers): the configured ones by default. A
-        # module, so its weights follow the recipe to its device (and dtype under bf16-true), its
-        # parameters join the optimizer and its state the checkpoint.
         # The net is built first (a gradient-level balancer's `shared` names its layers) but registered
         # after the balancer, which keeps the parameters' order, hence the optimizer state's, as it was.
         network = build_module(net, "net")
+        # The weights of the one backward (multiloss.balancers): the configured ones by default. A
+        # module, so its weights follow the recipe to its device (and dtype under bf16-true), its
+        # parameters join the optimizer and its state the checkpoint.
         names, weights = list(self.tasks), [t.weight for t in self.tasks.values()]
         self.balancer = (
             Fixed(names, weights)

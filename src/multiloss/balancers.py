@@ -92,9 +92,9 @@ class GradientBalancer(Balancer):
     """A balancer that combines the tasks' gradients itself: one backward per task, then its own sum.
 
     ``shared``: the shared parameters its rule works on, as names of ``model.net``'s modules or
-    parameters (``[trunk.4]``: GradNorm's "last shared layer"); null finds them (those more than one
-    task's loss reaches). Any other parameter gets each task's weighted gradient, summed. ``net``: the
-    recipe's network, passed by the recipe to resolve the names.
+    parameters (``[trunk.1]``: the shipped trunk's last layer, GradNorm's "last shared layer"); null
+    finds them (those more than one task's loss reaches). Any other parameter gets each task's
+    weighted gradient, summed. ``net``: the recipe's network, passed by the recipe to resolve the names.
     """
 
     adaptive = False
