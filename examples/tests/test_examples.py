@@ -8,6 +8,7 @@ against a plain-PyTorch reference on the user's own network.
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from multiloss.recipes.accumulation import Accumulation
 from multiloss.recipes.gan import GAN
 from multiloss.recipes.multihead import MultiHead
@@ -119,6 +121,32 @@ def test_shapes_weighted_backward_equals_weighted_sum(data):
     expected = testing.weighted_sum_gradients(module.net, batch, module.tasks)
     testing.assert_gradients_close(grads, expected)
     assert grads["net.area.weight"].abs().sum() > 0 and batch["big"].dtype == torch.float32
+
+
+def test_a_gradient_balancer_finds_the_layers_the_users_heads_share(data):
+    """GradNorm on the user's CNN (multihead), no key set: the auxiliary head branches off after conv1,
+    so conv1 is all the heads share, and the norms Gᵢ are taken there. First step (w = 1): the task
+    weights' gradient is sign(Gᵢ - Ḡ)·Gᵢ with Gᵢ = ‖∇_conv1 Lᵢ‖ (Chen et al. 2018), the net's Σ ∇Lᵢ."""
+    _, datamodule, module = _build("cnn_multihead", data, "balancer=gradnorm")
+    before = copy.deepcopy(module)
+    (grads,) = testing.step_gradients(module, datamodule)
+    batch = testing.first_batch(datamodule)
+    losses = [F.cross_entropy(out, batch["y"]) for out in before.net(batch["x"])]
+
+    def norm(loss, layer):
+        return torch.cat(
+            [g.reshape(-1) for g in torch.autograd.grad(loss, list(layer.parameters()), retain_graph=True)]
+        ).norm()
+
+    shared = torch.stack([norm(loss, before.net.conv1) for loss in losses])
+    torch.testing.assert_close(
+        grads["balancer.task_weight"], torch.sign(shared - shared.mean()) * shared, atol=1e-6, rtol=0
+    )
+    # Not the whole body: conv2 (the final head's alone) would add to that head's norm.
+    assert norm(losses[1], before.net.conv2) > 1e-3
+    testing.assert_gradients_close(
+        {k: v for k, v in grads.items() if k.startswith("net.")}, testing.per_head_gradients(before.net, batch)
+    )
 
 
 @pytest.mark.parametrize("loss", ["wgan-gp", "nonsaturating"])
