@@ -24,6 +24,14 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _first_step(cfg):
+    """The recipe module as it was, the gradients of its first real Trainer step, and that step's batch."""
+    datamodule, model = testing.build(cfg)
+    before = copy.deepcopy(model)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    return before, grads, testing.first_batch(datamodule)
+
+
 def test_fixed_is_the_configured_weights_and_adds_no_state(make_cfg):
     _, model = testing.build(make_cfg(*WEIGHTED, "model.tasks.ink.weight=7"))
     assert isinstance(model.balancer, Fixed) and not model.balancer.adaptive
@@ -35,10 +43,7 @@ def test_fixed_is_the_configured_weights_and_adds_no_state(make_cfg):
 def test_uncertainty_gradients_are_kendalls(make_cfg):
     """One real Trainer step: the net's gradient is Σ cᵢ·exp(-sᵢ)·∇Lᵢ and sᵢ's is cᵢ·(1 - exp(-sᵢ)·Lᵢ)."""
     cfg = make_cfg(*WEIGHTED, "balancer=uncertainty", "model.balancer.init_log_variance=[0.5,-0.3,1.0]")
-    datamodule, model = testing.build(cfg)
-    before = copy.deepcopy(model)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    batch = testing.first_batch(datamodule)
+    before, grads, batch = _first_step(cfg)
 
     s = before.balancer.log_variance.detach()
     c = torch.tensor([t.weight for t in before.tasks.values()])
@@ -190,10 +195,7 @@ def test_pcgrad_three_tasks_in_any_order():
 def test_pcgrad_in_the_recipe_is_the_papers_step(make_cfg):
     """One real Trainer step: the trunk gets Σ PCGrad(cᵢ·∇Lᵢ), each head its own cᵢ·∇Lᵢ."""
     cfg = make_cfg(*WEIGHTED, "balancer=pcgrad", "model.balancer.shuffle=false")
-    datamodule, model = testing.build(cfg)
-    before = copy.deepcopy(model)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    batch = testing.first_batch(datamodule)
+    before, grads, batch = _first_step(cfg)
 
     _, per_task = before.task_losses_of(batch)
     c = [t.weight for t in before.tasks.values()]
@@ -217,10 +219,8 @@ def test_pcgrad_on_named_shared_layers_projects_only_those(make_cfg):
     """``shared=[trunk.1]``: that layer gets Σ PCGrad(cᵢ·∇Lᵢ); the first trunk layer, reached by every task
     but not named, gets the plain Σ cᵢ·∇Lᵢ."""
     cfg = make_cfg(*WEIGHTED, "balancer=pcgrad", "model.balancer.shuffle=false", "model.balancer.shared=[trunk.1]")
-    datamodule, model = testing.build(cfg)
-    before = copy.deepcopy(model)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    _, per_task = before.task_losses_of(testing.first_batch(datamodule))
+    before, grads, batch = _first_step(cfg)
+    _, per_task = before.task_losses_of(batch)
     c = [t.weight for t in before.tasks.values()]
     for prefix, projected in (("net.trunk.1.", True), ("net.trunk.0.", False)):
         layer = {n: p for n, p in before.named_parameters() if n.startswith(prefix)}
@@ -258,10 +258,8 @@ def test_shared_names_that_match_no_layer_are_refused(make_cfg, value, shown):
 def test_jacobian_descent_is_torchjds_aggregation_of_the_trunk_jacobian(make_cfg, name):
     from torchjd.aggregation import MGDA, UPGrad
 
-    datamodule, model = testing.build(make_cfg(*WEIGHTED, f"balancer={name}"))
-    before = copy.deepcopy(model)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    _, per_task = before.task_losses_of(testing.first_batch(datamodule))
+    before, grads, batch = _first_step(make_cfg(*WEIGHTED, f"balancer={name}"))
+    _, per_task = before.task_losses_of(batch)
     c = [t.weight for t in before.tasks.values()]
     trunk = {n: p for n, p in before.named_parameters() if n.startswith("net.trunk.")}
     jacobian = torch.stack(
@@ -344,11 +342,8 @@ def test_a_balancer_trains_from_the_shell(tmp_path):
 
 def test_multihead_uncertainty_gradients_are_kendalls_and_the_balancer_reloads(make_cfg, tmp_path):
     cfg = make_cfg(*MULTIHEAD, "balancer=uncertainty", "model.balancer.init_log_variance=[0.4,-0.2,0.9]")
-    datamodule, model = testing.build(cfg)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    before = testing.build(cfg)[1]  # the same initial weights (seeded), balancer made by the check below
-    before.check_components(testing.first_batch(datamodule))
-    batch = testing.first_batch(datamodule)
+    before, grads, batch = _first_step(cfg)
+    before.check_components(batch)  # multihead makes its balancer once the check has counted the heads
     s = before.balancer.log_variance.detach()
     losses = torch.stack([torch.nn.functional.cross_entropy(o, batch["y"]) for o in before.net(batch["x"])])
     assert torch.allclose(grads["balancer.log_variance"], 1 - torch.exp(-s) * losses.detach(), atol=1e-6)
@@ -388,10 +383,8 @@ def test_gradnorm_weight_update_is_the_gradient_of_its_loss(make_cfg, shared, la
     and the network's gradient is the plain Σ cᵢ∇Lᵢ. W: the whole trunk (found), or with
     ``shared=[trunk.1]`` the paper's last shared layer only."""
     override = [f"model.balancer.shared={shared}"] if shared else []
-    datamodule, model = testing.build(make_cfg(*WEIGHTED, "balancer=gradnorm", *override))
-    before = copy.deepcopy(model)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    _, per_task = before.task_losses_of(testing.first_batch(datamodule))
+    before, grads, batch = _first_step(make_cfg(*WEIGHTED, "balancer=gradnorm", *override))
+    _, per_task = before.task_losses_of(batch)
     c = [t.weight for t in before.tasks.values()]
     trunk = [p for n, p in before.named_parameters() if n.startswith(layers)]
     norms = torch.stack(

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from multiloss.callbacks.plots import logged_curves
+from multiloss.callbacks.plots import curves_figure, logged_curves
 from multiloss.task_gradients import pairwise_cosines, task_gradients
 
 
@@ -68,18 +68,8 @@ class ConflictMonitor(L.Callback):
         if not curves:
             rank_zero_warn(f"ConflictMonitor: no conflict/cos/* values in a metrics.csv; {self.path} not written")
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name in sorted(curves):
-            ax.plot(*curves[name], label=name.removeprefix("conflict/cos/"), linewidth=1.2)
-        ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set(xlabel="step", ylabel="cosine of the tasks' gradients (shared layers)", ylim=(-1.05, 1.05))
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(self.path, dpi=110)
-        plt.close(fig)
+        with curves_figure(self.path) as ax:
+            for name in sorted(curves):
+                ax.plot(*curves[name], label=name.removeprefix("conflict/cos/"), linewidth=1.2)
+            ax.axhline(0.0, color="black", linewidth=0.8)
+            ax.set(xlabel="step", ylabel="cosine of the tasks' gradients (shared layers)", ylim=(-1.05, 1.05))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
@@ -49,24 +52,35 @@ class LossCurves(L.Callback):
         if not curves:
             rank_zero_warn(f"LossCurves: no '{self.prefix}*' columns in a metrics.csv; {self.path} not written")
             return
+        with curves_figure(self.path) as ax:
+            for name in sorted(curves):
+                steps, values = curves[name]
+                ax.plot(steps, values, label=name, linewidth=2.2 if name.endswith("total") else 1.2)
+            if all(v > 0 and math.isfinite(v) for _, vs in curves.values() for v in vs):
+                ax.set_yscale("log")
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss")
+            ax.set_title(f"{type(pl_module).__name__}: loss components")
+            ax.grid(alpha=0.3)
 
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+@contextmanager
+def curves_figure(path: Path) -> Iterator[Any]:
+    """One axes to draw logged curves on; with a legend, saved to ``path`` (its folder made) and closed after.
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name in sorted(curves):
-            steps, values = curves[name]
-            ax.plot(steps, values, label=name, linewidth=2.2 if name.endswith("total") else 1.2)
-        if all(v > 0 and math.isfinite(v) for _, vs in curves.values() for v in vs):
-            ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title(f"{type(pl_module).__name__}: loss components")
-        ax.grid(alpha=0.3)
+    Matplotlib's Agg backend, imported here: a run that draws nothing never imports it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    try:
+        yield ax
         ax.legend(fontsize=8)
         fig.tight_layout()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(self.path, dpi=110)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    finally:
         plt.close(fig)
