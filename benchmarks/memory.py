@@ -266,7 +266,7 @@ def accumulation_law(device: str) -> None:
             "recipe",
             "recipe=accumulation",
             f"data.batch_size={1024 // k}",
-            f"trainer.accumulate_grad_batches={k}",
+            f"model.accumulate_grad_batches={k}",
             "model.net.width=2048",
             "model.net.depth=4",
             "trainer.max_steps=3",

@@ -7,7 +7,7 @@
 
 Per recipe, one process runs, interleaved over ``--rounds`` rounds:
 
-- **plain**: the seeds' loop in plain PyTorch (a `PlainStep` per recipe, below) on the same network
+- **plain**: the hand-written loop in plain PyTorch (a `PlainStep` per recipe, below) on the same network
   object, initial weights, data loader (so the same order) and optimizer the recipe builds;
 - **lightning**: the same plain step, verbatim, as the manual step of a bare LightningModule under a
   bare Trainer: what Lightning's own loop costs, the floor under every recipe;
@@ -57,8 +57,9 @@ import torch.nn.functional as F  # noqa: E402
 from hydra.utils import get_method, instantiate  # noqa: E402
 
 from multiloss.batches import as_dict  # noqa: E402
+from multiloss.builders import build_data_and_model  # noqa: E402
 from multiloss.testing import bare_trainer, compose  # noqa: E402
-from multiloss.training import build_data_and_model, train  # noqa: E402
+from multiloss.training import train  # noqa: E402
 
 RECIPES = ("multihead", "weighted", "gan", "tbptt", "accumulation")
 # Batches timed per run (after the warm-up): a few epochs of digits, a fraction of the GAN's and tbptt's.
@@ -136,7 +137,7 @@ class StepTimer(L.Callback):
             trainer.should_stop = True
 
 
-# --- the plain steps: what the seeds write, one per recipe -------------------------------------------
+# --- the plain steps: the hand-written loop, one per recipe -------------------------------------------
 
 
 class PlainStep:
@@ -175,7 +176,7 @@ class WeightedStep(PlainStep):
             outputs = self.nets["net"](batch["x"])
             losses = torch.stack([self.loss_fns[n](outputs[n], batch[t.target]) for n, t in self.tasks.items()])
         self.opt.zero_grad()
-        torch.autograd.backward(losses, grad_tensors=self.weights.to(losses.dtype))  # the seeds' grad_tensors
+        torch.autograd.backward(losses, grad_tensors=self.weights.to(losses.dtype))  # one grad_tensors backward
         self.opt.step()
 
 
@@ -236,20 +237,20 @@ class TbpttStep(PlainStep):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), m.gradient_clip_val)
             self.opt.step()
-            hidden = tuple(h.detach() for h in hidden)  # the seeds' repackage_hidden
+            hidden = tuple(h.detach() for h in hidden)  # repackage_hidden
 
 
 class AccumulationStep(PlainStep):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.k = self.cfg.trainer.accumulate_grad_batches
+        self.k = self.cfg.model.accumulate_grad_batches
         self.opt = instantiate(self.cfg.model.optimizer)(self.nets["net"].parameters())
         for group in self.opt.param_groups:  # the linear rule: lr × (batch × k) / base batch
             group["lr"] *= self.cfg.data.batch_size * self.k / self.cfg.model.base_batch_size
 
     def __call__(self, epoch, i, last, batch):
         with self.autocast():
-            loss = F.cross_entropy(self.nets["net"](batch["x"]), batch["y"]) / self.k  # the seeds' loss / k
+            loss = F.cross_entropy(self.nets["net"](batch["x"]), batch["y"]) / self.k  # loss / k
         loss.backward()
         if (i + 1) % self.k == 0 or last:
             self.opt.step()

@@ -1,20 +1,20 @@
 """Recipe `accumulation`: gradient accumulation, and the learning rate scaled with the effective batch.
 
-The seeds' memory-saving loop divides each batch's loss by ``accumulation_steps``, calls
-``backward()`` every batch and steps every ``accumulation_steps`` batches, instead of summing k
-batches' losses into one tensor and calling backward once. Both give the same gradient, but the
-summed version keeps k graphs alive until its single backward, and the tempting middle ground
-(``loss += ...; loss.backward()`` inside the loop) walks the first graph twice:
+The memory-saving loop divides each batch's loss by ``accumulation_steps``, calls ``backward()``
+every batch and steps every ``accumulation_steps`` batches, instead of summing k batches' losses
+into one tensor and calling backward once. Both give the same gradient, but the summed version keeps
+k graphs alive until its single backward, and the tempting middle ground (``loss += ...;
+loss.backward()`` inside the loop) walks the first graph twice:
 
     RuntimeError: Trying to backward through the graph a second time, but the buffers have
     already been freed. Specify retain_graph=True when calling backward the first time.
 
-The seed also warns that the learning rate "should be scaled up accordingly" (学习率也要适当放大)
-without saying by how much. Here Lightning does the loop (``trainer.accumulate_grad_batches=k``
-divides the loss by k, steps every k micro-batches and, under DDP, skips the all-reduce on the
-micro-batches that do not step), and the LR is scaled by a stated rule from the effective batch
-``data.batch_size × k × world_size`` against ``model.base_batch_size`` (`multiloss.lr_scaling`).
-`tests/recipes/test_accumulation.py` proves k micro-batches of b == one batch of k·b == the seed's
+The usual advice that the learning rate "should be scaled up accordingly" does not say by how much.
+Here the step is that loop (each micro-batch's loss divided by ``model.accumulate_grad_batches`` = k,
+a step every k micro-batches, and under DDP no gradient all-reduce on the micro-batches that do not
+step), and the LR is scaled by a stated rule from the effective batch ``data.batch_size × k ×
+world_size`` against ``model.base_batch_size`` (`multiloss.lr_scaling`).
+`tests/recipes/test_accumulation.py` proves k micro-batches of b == one batch of k·b == the
 hand-written loop, that the LR in the optimizer is the rule's, and where the equivalence breaks.
 
     python train.py recipe=accumulation
@@ -23,21 +23,21 @@ hand-written loop, that the LR in the optimizer is the rule's, and where the equ
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Literal
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
-from torch.optim import Optimizer
 from torchmetrics.classification import MulticlassAccuracy
 
 from multiloss.batches import require_keys
+from multiloss.callbacks import JsonRecord
+from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
 from multiloss.lr_scaling import effective_batch_size, lr_factor
-from multiloss.module import Recipe, call_component, describe_batch, describe_output
+from multiloss.module import Recipe
 
 
 class Accumulation(Recipe):
@@ -50,10 +50,17 @@ class Accumulation(Recipe):
         data: batches with ``x`` and ``y`` (class indices); ``(x, y)`` tuples too. The data module
             must have ``batch_size`` (the LR rule needs it).
 
-    Lightning's automatic optimization with ``trainer.accumulate_grad_batches = k``. The optimizer's
-    configured LR (``model.optimizer.lr``) is the LR for ``base_batch_size`` examples per step; at
-    fit start each param group's LR is multiplied by the ``lr_scaling`` rule's factor for the
-    effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal et al. 2017, for
+    The step (``training_step``, manual optimization): the micro-batch's cross-entropy divided by
+    ``accumulate_grad_batches`` = k, one ``manual_backward``; on every k-th micro-batch (and an
+    epoch's last, which may close a step of fewer than k micro-batches) clipping
+    (``gradient_clip_val``), the optimizer step, zeroing and the ``scheduler``. Under DDP only the
+    micro-batch that steps all-reduces its gradient. ``count_exact: true`` backwards each micro-batch's
+    *summed* loss over the examples of its whole step (every rank's) instead, so a short step's
+    examples weigh as much as a full one's.
+
+    The optimizer's configured LR (``model.optimizer.lr``) is the LR for ``base_batch_size`` examples
+    per step; at fit start each param group's LR is multiplied by the ``lr_scaling`` rule's factor for
+    the effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal et al. 2017, for
     SGD), ``sqrt`` (√(B/B₀), for Adam-type optimizers) or ``none``. The scaled LR sits in the
     optimizer, so LearningRateMonitor's ``lr-<Optimizer>`` column shows it; the rule's inputs are
     logged as ``scaling/*`` and written to ``lr_scaling.json`` in the run dir.
@@ -64,9 +71,8 @@ class Accumulation(Recipe):
     draws other masks). Both stay available (``model.net.batch_norm``, ``model.net.dropout``).
 
     Raises:
-        ConfigError: ``base_batch_size`` < 1; ``trainer.accumulate_grad_batches`` < 1 (at fit start,
-            before the first step); at setup, a net whose output ``F.cross_entropy`` cannot compare
-            with the data's ``y``.
+        ConfigError: ``base_batch_size`` < 1; the step options' checks (`multiloss.module.Recipe`);
+            at setup, a net whose output ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
     def __init__(
@@ -76,9 +82,13 @@ class Accumulation(Recipe):
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
         count_exact: bool = False,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        scheduler: Any = None,
         compile: bool = False,
     ) -> None:
-        super().__init__(compile=compile)
+        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
         require(
             base_batch_size >= 1,
             "base_batch_size",
@@ -109,14 +119,14 @@ class Accumulation(Recipe):
         call_component(
             "model.net", net, F.cross_entropy, logits, batch["y"], given=f"logits {describe_output(logits)}; {given}"
         )
-        self.check_class_labels(logits.shape[1])
+        check_class_labels(self.trainer.datamodule if self._trainer is not None else None, logits.shape[1])
         if self.val_acc is None or self.val_acc.num_classes != logits.shape[1]:
             self.val_acc = MulticlassAccuracy(logits.shape[1], average="micro").to(logits.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def configure_optimizers(self) -> Optimizer:
+    def configure_optimizers(self) -> Any:
         # Called once the trainer knows its world size and the datamodule its batch size, so the
         # effective batch is known exactly here, for one device or many.
         trainer = self.trainer
@@ -128,22 +138,15 @@ class Accumulation(Recipe):
                 "a data module with a `batch_size` attribute (the LR rule scales by data.batch_size × k × world size)",
                 "no batch_size",
             )
-        accumulate, world_size = trainer.accumulate_grad_batches, trainer.world_size
-        # Lightning itself accepts 0 here and fails later on a modulo by zero.
-        require(
-            isinstance(accumulate, int) and accumulate >= 1,
-            "trainer.accumulate_grad_batches",
-            accumulate,
-            "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
-        )
+        accumulate, world_size = self.accumulate_grad_batches, trainer.world_size
         effective = effective_batch_size(batch_size, accumulate, world_size)
         factor = lr_factor(effective, self.base_batch_size, self.lr_scaling)
 
-        optimizer = super().configure_optimizers()
+        optimizer = self.optimizer_factory(self.parameters())
         base_lr = optimizer.param_groups[0]["lr"]
-        # The LR goes into the param groups themselves (not a scaled loss or a scheduler), so the
-        # optimizer, the checkpoint and LearningRateMonitor's `lr-<Optimizer>` column all hold the
-        # rule's result. Every group keeps its own base LR, scaled by the same factor.
+        # The LR goes into the param groups themselves (not a scaled loss), so the optimizer, the
+        # checkpoint and LearningRateMonitor's `lr-<Optimizer>` column all hold the rule's result. Every
+        # group keeps its own base LR, scaled by the same factor (a schedule then works from these).
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
         self.scaled_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -162,7 +165,10 @@ class Accumulation(Recipe):
             f"LR scaling ({self.lr_scaling}): effective batch {batch_size} × {accumulate} × {world_size} = "
             f"{effective} vs base {self.base_batch_size} -> lr {base_lr:g} × {factor:g} = {self.scaling['lr']:g}"
         )
-        return optimizer
+        return self.with_schedule(optimizer)
+
+    def output_callbacks(self) -> list[L.Callback]:
+        return [JsonRecord("lr_scaling.json", "scaling")]
 
     def on_train_start(self) -> None:
         # A resumed run restores the optimizer's state, LRs included, after configure_optimizers:
@@ -183,27 +189,24 @@ class Accumulation(Recipe):
             sync_dist=True,  # the same on every rank; keeps Lightning's DDP epoch-logging check quiet
         )
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        batch = self.named_batch(batch)
-        if self.count_exact:
-            return self._count_exact_loss(batch, batch_idx)
-        loss = F.cross_entropy(self(batch["x"]), batch["y"])
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        batch, opt = self.named_batch(batch), self.optimizers()
+        stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
+        with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
+            logits = self(batch["x"])
+            if self.count_exact:  # the micro-batch's summed loss over every example of its step, all ranks'
+                summed = F.cross_entropy(logits, batch["y"], reduction="sum")
+                loss = summed.detach() / len(batch["y"])
+                self.manual_backward(summed * (self.trainer.world_size / self.examples_in_step(batch_idx)))
+            else:  # loss / k: k micro-batches of b sum to the gradient of the mean over k·b
+                loss = F.cross_entropy(logits, batch["y"])
+                self.manual_backward(loss / self.accumulate_grad_batches)
         self.log_losses({"total": loss}, batch_size=len(batch["y"]))
-        # The micro-batch's mean loss; Lightning divides it by k before backward, so k micro-batches
-        # of b sum to the gradient of the mean over k·b examples (the seeds' `loss / accumulation_steps`).
-        return loss
-
-    def _count_exact_loss(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        """The micro-batch's summed loss over the examples of its whole optimizer step (every rank's).
-
-        Returned times k · world size, which Lightning's 1/k and DDP's mean over ranks take back
-        out: the step's gradient is the mean over all its examples, each weighing the same, also
-        when a micro-batch is short (an epoch's last) or the step has fewer than k of them.
-        """
-        summed = F.cross_entropy(self(batch["x"]), batch["y"], reduction="sum")
-        self.log_losses({"total": summed.detach() / len(batch["y"])}, batch_size=len(batch["y"]))
-        trainer = self.trainer
-        return summed * (trainer.accumulate_grad_batches * trainer.world_size / self.examples_in_step(batch_idx))
+        if stepping:
+            self.clip_gradients(opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.step_lr_schedule(opt, stepping)
 
     def examples_in_step(self, batch_idx: int) -> int:
         """How many examples, over every rank, the optimizer step that micro-batch ``batch_idx`` belongs to sees.
@@ -223,7 +226,7 @@ class Accumulation(Recipe):
         )
         in_epoch = per_rank // size if loader.drop_last else -(-per_rank // size)
         used = min(int(trainer.num_training_batches), in_epoch)
-        k = trainer.accumulate_grad_batches
+        k = self.accumulate_grad_batches
         first = (batch_idx // k) * k
         sizes = [
             size if i < in_epoch - 1 or loader.drop_last else per_rank - (in_epoch - 1) * size
@@ -239,9 +242,3 @@ class Accumulation(Recipe):
         )
         self.val_acc(logits, batch["y"])
         self.log(f"{self.stage}/acc", self.val_acc, on_epoch=True, prog_bar=True)
-
-    def on_train_epoch_end(self) -> None:
-        if self.trainer.is_global_zero and self.scaling:
-            path = Path(self.trainer.default_root_dir) / "lr_scaling.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.scaling, indent=2) + "\n")

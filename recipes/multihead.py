@@ -1,6 +1,6 @@
 """Recipe `multihead`: deep supervision — several classification heads on one network, one backward.
 
-The seeds' first question: a loss made of several heads' losses, where does ``backward()`` go?
+The first question a loss made of several heads' losses raises is where ``backward()`` goes.
 Calling it once per head inside the loop raises
 
     RuntimeError: Trying to backward through the graph a second time ...
@@ -18,7 +18,7 @@ both per-head alternatives with `multiloss.testing`) and the graph is walked onc
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,10 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from multiloss.balancers import Balancer, save_balancer_state
 from multiloss.batches import require_keys
+from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
-from multiloss.module import Recipe, call_component, describe_batch, describe_output
+from multiloss.module import Recipe
 
 
 class MultiHead(Recipe):
@@ -40,10 +41,16 @@ class MultiHead(Recipe):
             ``forward(x)`` returns a list or tuple of logits, one per head, deepest last; each is
             ``(batch, classes, ...)``, what ``F.cross_entropy(logits, y)`` takes.
         optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
+        balancer (group ``balancer``, default ``fixed``): how the heads' losses are weighed (the heads
+            are the tasks); see `multiloss.balancers`.
         data: batches with ``x`` (the net's input) and ``y`` (class indices); ``(x, y)`` tuples too.
 
-    Loss = Σ wᵢ·CE(headᵢ, y) with ``head_weights`` (one per head; null = equal), one backward
-    (Lightning's automatic optimization, so accumulation, clipping, AMP and DDP work as usual). Logs
+    The step (``training_step``, manual optimization): the heads' cross-entropies, their sum
+    Σ wᵢ·CE(headᵢ, y) with ``head_weights`` (one per head; null = equal) or the balancer's weights —
+    or, for a balancer that combines the heads' gradients itself (PCGrad & co.), its surrogate loss —
+    one ``manual_backward`` of it divided by ``accumulate_grad_batches``, and on every k-th micro-batch
+    (and an epoch's last) clipping (``gradient_clip_val``), the optimizer step, zeroing and the
+    ``scheduler``. Under DDP the micro-batches that do not step skip the gradient all-reduce. Logs
     ``loss/head{i}`` and ``loss/total`` per step, ``val/loss/head{i}`` and ``val/acc/head{i}`` per
     validation, and ``val/acc`` (the last head's).
 
@@ -51,9 +58,11 @@ class MultiHead(Recipe):
     ranks gives the same gradient; both are options (``model.net.dropout``, ``model.net.batch_norm``).
 
     Raises:
-        ConfigError: ``head_weights`` negative, infinite or all zero; at setup (before any step or
-            write), ``head_weights`` not one per head, a net that does not return a sequence of logits
-            tensors, or logits that ``F.cross_entropy`` cannot compare with the data's ``y``.
+        ConfigError: ``head_weights`` negative, infinite or all zero; ``accumulate_grad_batches`` < 1;
+            ``gradient_clip_val`` ≤ 0; ``trainer.accumulate_grad_batches`` ≠ 1 or
+            ``trainer.gradient_clip_val`` set (use the model keys); at setup (before any step or write),
+            ``head_weights`` not one per head, a net that does not return a sequence of logits tensors,
+            or logits that ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
     # What the recipe gives its balancer itself (the config sets neither).
@@ -65,9 +74,13 @@ class MultiHead(Recipe):
         optimizer: Any = None,
         head_weights: list[float] | None = None,
         balancer: Any = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        scheduler: Any = None,
         compile: bool = False,
     ) -> None:
-        super().__init__(compile=compile)
+        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
         net, optimizer, balancer = plain(net), plain(optimizer), plain(balancer)
         # A plain list of floats, not Hydra's ListConfig: checkpoints must load with weights_only=True.
         head_weights = None if head_weights is None else [float(w) for w in head_weights]
@@ -110,7 +123,7 @@ class MultiHead(Recipe):
                 given=f"head {i}: {describe_output(logits)}; {given}",
             )
         for logits in outputs:
-            self.check_class_labels(logits.shape[1])
+            check_class_labels(self.trainer.datamodule if self._trainer is not None else None, logits.shape[1])
         n = len(outputs)
         require(
             self.head_weights is None or len(self.head_weights) == n,
@@ -124,27 +137,52 @@ class MultiHead(Recipe):
             classes = [logits.shape[1] for logits in outputs]
             self.val_acc = nn.ModuleList(MulticlassAccuracy(c, average="micro") for c in classes).to(outputs[0].device)
 
-    def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each head's cross-entropy and their weighted sum ``total`` (the one tensor we backward)."""
-        per_head = {f"head{i}": F.cross_entropy(logits, batch["y"]) for i, logits in enumerate(self.net(batch["x"]))}
-        weights = self.head_weights or [1.0] * len(per_head)
-        total = sum(w * loss for w, loss in zip(weights, per_head.values()))
-        return {**per_head, "total": total}
+    def head_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each head's cross-entropy, ``head0`` (shallowest) to the deepest."""
+        return {f"head{i}": F.cross_entropy(logits, batch["y"]) for i, logits in enumerate(self.net(batch["x"]))}
 
     def forward(self, x: torch.Tensor) -> Any:
         return self.net(x)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        batch = self.named_batch(batch)
-        if self.balancer is not None:
-            return self._balanced_step(batch)
-        losses = self.losses(batch)
-        self.task_losses = {name: loss for name, loss in losses.items() if name != "total"}  # monitor=conflicts
-        self.log_losses(losses, batch_size=len(batch["y"]))
-        # Lightning calls backward on this once; autograd sums the heads' contributions in the trunk.
-        return losses["total"]
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        batch, opt = self.named_batch(batch), self.optimizers()
+        stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
+        with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
+            per_head = self.head_losses(batch)
+            self.task_losses = per_head  # monitor=conflicts reads them at the backward
+            total, loss = self.weighted_sum(per_head)
+            # One backward: autograd sums the heads' contributions where they meet in the trunk.
+            self.manual_backward(loss / self.accumulate_grad_batches)
+        self.task_losses = None
+        self.log_losses({**per_head, "total": total}, batch_size=len(batch["y"]))
+        if stepping:
+            self.clip_gradients(opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.step_lr_schedule(opt, stepping)
 
-    # --- a balancer other than `fixed` (multiloss.balancers) -------------------------------------
+    # --- the heads' weights: head_weights, or a balancer other than `fixed` (multiloss.balancers) ----
+
+    def weighted_sum(self, per_head: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's total (logged) and the loss its backward takes: the same, but for a gradient balancer."""
+        if self.balancer is None:
+            weights = self.head_weights or [1.0] * len(per_head)
+            total = sum(w * loss for w, loss in zip(weights, per_head.values()))
+            return total, total
+        self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
+        losses = torch.stack(list(per_head.values()))
+        weights = self.balancer.weights(losses.detach())
+        extra = self.balancer.extra(losses)
+        total = (weights.to(losses.dtype) * losses).sum() + (0 if extra is None else extra)
+        if self.balancer.adaptive:
+            self.log_train_values(tuple(f"weight/{name}" for name in per_head), weights)
+        if self.balancer.combines_gradients:  # PCGrad & co.: a scalar whose gradient is their combination
+            return total, self.balancer.surrogate(list(per_head.values()), list(self.net.parameters()))
+        return total, total
+
+    @property
+    def shared_parameters(self) -> list[nn.Parameter] | None:
+        return None if self.balancer is None else self.balancer.shared_parameters
 
     @property
     def built_at_setup(self) -> tuple[str, ...]:
@@ -157,37 +195,10 @@ class MultiHead(Recipe):
             return  # fixed: the recipe's own weighted sum, exactly as without balancers
         names = [f"head{i}" for i in range(n_heads)]
         weights = self.head_weights or [1.0] * n_heads
-        # The net's device: at setup Lightning already reports the target device while weights are on CPU.
         # Built at setup, outside the model's instantiation: its errors name the full key.
         self.balancer = build_module(spec, "model.balancer", tasks=names, base=weights, net=self.net)
+        # The net's device: at setup Lightning already reports the target device while weights are on CPU.
         self.balancer.to(next(self.net.parameters()).device)
-
-    def _balanced_step(self, batch: dict[str, Any]) -> torch.Tensor:
-        per_head = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(self.net(batch["x"]))}
-        self.task_losses = per_head
-        losses = torch.stack(list(per_head.values()))
-        weights = self.balancer.weights(losses.detach())
-        extra = self.balancer.extra(losses)
-        total = (weights.to(losses.dtype) * losses).sum() + (0 if extra is None else extra)
-        self.log_losses({**per_head, "total": total.detach()}, batch_size=len(batch["y"]))
-        if self.balancer.adaptive:
-            self.log_train_values(tuple(f"weight/{name}" for name in per_head), weights.detach())
-        self._step_total = total
-        return total
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self.balancer is None or not self.balancer.combines_gradients:
-            super().backward(loss, *args, **kwargs)
-            return
-        # PCGrad & co. get each head's own loss, scaled as Lightning scaled the total (1/k, AMP).
-        scale = torch.autograd.grad(loss, self._step_total, torch.ones_like(loss), retain_graph=True)[0]
-        assert self.task_losses is not None
-        self.balancer.backward([scale * h for h in self.task_losses.values()], list(self.net.parameters()))
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self.balancer is not None:
-            self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.balancer is not None:
@@ -198,6 +209,8 @@ class MultiHead(Recipe):
         # Before the weights load: a balancer with state must exist to receive it.
         if "multihead_heads" in checkpoint:
             self._build_balancer(int(checkpoint["multihead_heads"]))
+
+    # --- validation ---------------------------------------------------------------------------------------
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)

@@ -2,17 +2,17 @@
 
 A recurrent language model (the shipped one: a character LSTM) reads a long sequence in chunks and
 carries its hidden state (an LSTM's ``(h, c)``, a GRU's ``h``) from one chunk to the next, stepping
-the optimizer after each chunk. The seeds' LSTM pitfall: the carried state still points into the
+the optimizer after each chunk. The classic LSTM pitfall: the carried state still points into the
 previous chunk's graph, which that chunk's backward has already freed, so the second chunk's backward raises
 
     RuntimeError: Trying to backward through the graph a second time, but the buffers have
     already been freed
 
-The seed's first fix, ``backward(retain_graph=True)``, only trades the error for another one
+The first fix people reach for, ``backward(retain_graph=True)``, only trades the error for another one
 (the optimizer step has modified in place the weights that graph saved: "one of the variables
 needed for gradient computation has been modified by an inplace operation"), and where it does
 run it walks the whole history again on every chunk while keeping it all in memory: the memory
-held for backward grows with the sequence. The seed's real fix is the one used here
+held for backward grows with the sequence. The real fix is the one used here
 (``hidden = hidden.detach()``, PyTorch's word_language_model calls it ``repackage_hidden``): keep
 the *values* of ``(h, c)`` so the next chunk starts where this one ended, cut the *graph* so its
 backward stops at the chunk boundary. Memory then depends on the chunk length, not on the
@@ -31,8 +31,7 @@ Lightning removed its built-in TBPTT (``truncated_bptt_steps``) in 2.0, so the c
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
@@ -40,12 +39,13 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from multiloss.accumulation import ManualAccumulation
 from multiloss.batches import require_keys
+from multiloss.callbacks import TextSamples
+from multiloss.component_check import call_component, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
 from multiloss.data.text import Vocabulary
-from multiloss.module import Recipe, call_component, describe_batch, describe_output
+from multiloss.module import Recipe
 from multiloss.nets import repackage_hidden
 
 LN2 = math.log(2.0)
@@ -72,12 +72,12 @@ class TruncatedBPTT(Recipe):
 
     Each batch's sequences are split by *length* into chunks of ``chunk_length`` tokens
     (``torch.split``; the last chunk is shorter when the length does not divide ``seq_len``;
-    ``chunk_length ≥ seq_len`` is one chunk, i.e. full BPTT). Per chunk: forward from the carried
-    state, ``manual_backward`` of the chunk's mean cross-entropy over its scored tokens (a chunk with
-    none adds no gradient), gradient clipping by norm
-    (``gradient_clip_val``, ``self.clip_gradients``), optimizer step, then the state detached
-    (`multiloss.nets.repackage_hidden`). The state starts empty for every batch (the sequences of a
-    batch are shuffled windows, not continuations of the previous batch's).
+    ``chunk_length ≥ seq_len`` is one chunk, i.e. full BPTT). The step (``training_step``, manual
+    optimization), per chunk: forward from the carried state, ``manual_backward`` of the chunk's mean
+    cross-entropy over its scored tokens (a chunk with none adds no gradient), gradient clipping by
+    norm (``gradient_clip_val``, 1.0 by default), the optimizer step, zeroing and the ``scheduler``,
+    then the state detached (`multiloss.nets.repackage_hidden`). The state starts empty for every
+    batch (the sequences of a batch are shuffled windows, not continuations of the previous batch's).
 
     ``trainer.max_steps`` counts optimizer steps, i.e. chunks (with ``accumulate_grad_batches=1``);
     Lightning checks it after each batch, so a run ends on a whole batch.
@@ -103,16 +103,15 @@ class TruncatedBPTT(Recipe):
     with a carried state gives the same outputs; chunking changes only where backward stops). At
     each epoch end, rank zero writes ``samples/epoch_NNN.txt``: ``sample_length`` tokens continuing
     ``sample_prompt``, drawn with a private ``torch.Generator`` seeded by ``sample_seed`` (so sampling
-    never moves the global random stream and exact resume holds), at ``sample_temperature`` (0 = greedy).
+    never moves the global random stream and exact resume holds), at ``sample_temperature`` (0 = greedy)
+    (`multiloss.callbacks.TextSamples`).
 
     Raises:
         ConfigError: ``chunk_length``, ``accumulate_grad_batches`` or ``sample_length`` < 1;
             ``gradient_clip_val`` ≤ 0; ``sample_temperature`` < 0; a ``sample_prompt`` the vocabulary
-            cannot encode; at setup, a ``mask`` that is not 0/1 of ``y``'s shape, or a scored target id
-            outside the vocabulary; ``trainer.gradient_clip_val`` / ``trainer.gradient_clip_algorithm`` set (use
-            ``model.gradient_clip_val``) or ``trainer.accumulate_grad_batches`` > 1 (use
-            ``model.accumulate_grad_batches``): Lightning cannot do either under manual
-            optimization; at setup (before any step or write), a net that does not return
+            cannot encode; the step options' checks (`multiloss.module.Recipe`); at setup, a ``mask``
+            that is not 0/1 of ``y``'s shape, or a scored target id outside the vocabulary; at setup
+            (before any step or write), a net that does not return
             ``(logits, hidden)``, logits whose last dim is not the vocabulary size, or a state that
             cannot be carried into the next chunk; a checkpoint made with another vocabulary.
     """
@@ -120,6 +119,7 @@ class TruncatedBPTT(Recipe):
     # The recipe passes the data's vocabulary size to a net config that leaves it out (the validator
     # then does not ask for it).
     passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"net": ("vocab_size",)}
+    accumulates_batches = False  # its micro-batches are chunks of one batch: Lightning counts batches
 
     def __init__(
         self,
@@ -127,23 +127,19 @@ class TruncatedBPTT(Recipe):
         optimizer: Any = None,
         vocab: str | int | None = None,
         chunk_length: int = 32,
-        gradient_clip_val: float | None = 1.0,
-        accumulate_grad_batches: int = 1,
         sample_prompt: str = "The ",
         sample_length: int = 300,
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
         count_exact: bool = False,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = 1.0,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        scheduler: Any = None,
         compile: bool = False,
     ) -> None:
-        super().__init__(compile=compile)
+        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
         require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (tokens per chunk)")
-        require(
-            gradient_clip_val is None or gradient_clip_val > 0,
-            "gradient_clip_val",
-            gradient_clip_val,
-            "a positive number (the maximal gradient norm per step), or null for no clipping",
-        )
         require(sample_length >= 1, "sample_length", sample_length, "an integer ≥ 1 (tokens to generate)")
         require(sample_temperature >= 0, "sample_temperature", sample_temperature, "a number ≥ 0 (0 = greedy)")
         require(
@@ -164,10 +160,7 @@ class TruncatedBPTT(Recipe):
         )
         net, optimizer = plain(net), plain(optimizer)
         self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
-        # Lightning's TBPTT is gone since 2.0: the chunk loop, its backwards and steps are ours.
-        self.automatic_optimization = False
-        self.accumulation = ManualAccumulation(self, accumulate_grad_batches)
-        self.chunk_length, self.gradient_clip_val = chunk_length, gradient_clip_val
+        self.chunk_length = chunk_length
         self.count_exact = bool(count_exact)
         self.net = build_module(net, "net", vocab_size=len(self.vocab))
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
@@ -244,60 +237,30 @@ class TruncatedBPTT(Recipe):
             given=f"tokens {tuple(x.shape)} and the detached hidden state of the previous call",
         )
 
-    def check_trainer(self, trainer: L.Trainer) -> None:
-        """Reject Trainer settings that manual optimization cannot honour, naming the model key to use.
-
-        Lightning would refuse them too, but only with a traceback; and silently ignoring them would
-        be worse. Raises `ConfigError` with full dotted keys.
-        """
-        moves = (
-            ("gradient_clip_val", trainer.gradient_clip_val, "model.gradient_clip_val"),
-            (
-                "gradient_clip_algorithm",
-                getattr(trainer.gradient_clip_algorithm, "value", None),
-                "model.gradient_clip_val",
-            ),
-        )
-        for key, value, model_key in moves:
-            if value is not None:
-                raise ConfigError(
-                    f"trainer.{key}",
-                    value,
-                    f"null; this recipe clips each chunk's step itself, by norm: set {model_key}=<max norm> "
-                    f"(now {self.gradient_clip_val}; null turns clipping off)",
-                    "Lightning cannot clip gradients under manual optimization",
-                )
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError(
-                "trainer.accumulate_grad_batches",
-                trainer.accumulate_grad_batches,
-                "1; this recipe accumulates itself: set model.accumulate_grad_batches=<k> "
-                "(k consecutive chunks per optimizer step)",
-                "Lightning cannot accumulate gradients under manual optimization",
-            )
-
     # ---------------------------------------------------------------- training
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
-        opt = self.optimizers()
+        batch, opt = self.named_batch(batch), self.optimizers()
         y = self.scored_targets(batch)
         # By length: chunks of chunk_length tokens (tensor_split(x, k) would make k chunks).
         xs = torch.split(batch["x"], self.chunk_length, dim=1)
         ys = torch.split(y, self.chunk_length, dim=1)
         tokens = torch.stack([(target != IGNORE_INDEX).sum() for target in ys])
-        scales = self.chunk_scales(tokens)
+        scales = self.chunk_scales(tokens)  # each chunk's summed token loss × this: its mean / k, or count-exact
         hidden = None
         nll_sum = y.new_zeros((), dtype=torch.float32)
         for i, (x, target) in enumerate(zip(xs, ys)):
             last = i == len(xs) - 1
-            with self.accumulation.micro_batch(opt, i, last=last) as backward:
+            stepping = last or (i + 1) % self.accumulate_grad_batches == 0  # no gradient carried into the next batch
+            with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a chunk that steps
                 logits, hidden = self.net(x, hidden)
                 nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-                backward(nll * scales[i])
-                if self.gradient_clip_val is not None and self.accumulation.steps_on(i, last):
-                    # Clip the (accumulated) gradient that is about to be stepped, by global norm.
-                    self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
+                self.manual_backward(nll * scales[i])
+            if stepping:
+                self.clip_gradients(opt)  # the (accumulated) gradient about to be stepped, by global norm
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            self.step_lr_schedule(opt, stepping, batch_done=last)
             # After the step: the next chunk starts from these values, its backward ends here.
             hidden = self.repackage_hidden(hidden)
             nll_sum = nll_sum + nll.detach().float()
@@ -312,27 +275,27 @@ class TruncatedBPTT(Recipe):
         return y.masked_fill(batch["mask"] == 0, IGNORE_INDEX) if "mask" in batch else y
 
     def chunk_scales(self, tokens: torch.Tensor) -> torch.Tensor:
-        """What multiplies each chunk's summed token loss before `ManualAccumulation`'s 1/k.
+        """What multiplies each chunk's summed token loss in its backward.
 
-        Default: 1 / the chunk's scored tokens (its mean loss: every chunk of a step weighs the same,
-        a short or padded chunk's tokens more than a full one's). ``count_exact``: k · world size /
-        the scored tokens of the chunk's whole step on every rank, which the 1/k and DDP's mean over
-        ranks take back out, so the step's gradient is the mean over all those tokens. One all-reduce
-        of the batch's per-step token counts (under DDP); no host sync. A step with no scored token
-        on any rank gets a zero gradient.
+        Default: 1 / (the chunk's scored tokens · k) (its mean loss over k: every chunk of a step weighs
+        the same, a short or padded chunk's tokens more than a full one's). ``count_exact``: world size /
+        the scored tokens of the chunk's whole step on every rank, which DDP's mean over ranks takes back
+        out, so the step's gradient is the mean over all those tokens. One all-reduce of the batch's
+        per-step token counts (under DDP); no host sync. A step with no scored token on any rank gets a
+        zero gradient.
         """
+        k = self.accumulate_grad_batches
         if not self.count_exact:
-            return 1 / tokens.clamp(min=1).float()
-        k = self.accumulation.every
+            return 1 / (tokens.clamp(min=1).float() * k)
         step_of_chunk = torch.arange(len(tokens), device=tokens.device) // k
         n_steps = (len(tokens) - 1) // k + 1  # from the chunk count, not the tensor: no host sync
         per_step = torch.zeros(n_steps, device=tokens.device).index_add_(0, step_of_chunk, tokens.float())
         per_step = self.trainer.strategy.reduce(per_step, reduce_op="sum")
-        return (k * self.trainer.world_size / per_step.clamp(min=1))[step_of_chunk]
+        return (self.trainer.world_size / per_step.clamp(min=1))[step_of_chunk]
 
     @staticmethod
     def repackage_hidden(hidden: Any) -> Any:
-        """Keep the state's values, cut its graph: the seeds' ``hidden.detach()``, tree-wise (`multiloss.nets`)."""
+        """Keep the state's values, cut its graph: ``hidden.detach()``, tree-wise (`multiloss.nets`)."""
         return repackage_hidden(hidden)
 
     # -------------------------------------------------------------- validation
@@ -370,21 +333,9 @@ class TruncatedBPTT(Recipe):
         sep = " " if self.vocab.kind == "ids" else ""
         return prompt + sep + self.vocab.decode(ids)
 
-    def on_train_epoch_end(self) -> None:
-        if not self.trainer.is_global_zero:
-            return
-        # A private generator, re-seeded each epoch: the sample depends on the weights only, and
-        # the global stream that training draws from is left exactly where it was.
-        generator = torch.Generator(device=self.device).manual_seed(self.hparams.sample_seed)
+    def output_callbacks(self) -> list[L.Callback]:
         h = self.hparams
-        text = self.generate(h.sample_prompt, h.sample_length, h.sample_temperature, generator)
-        bpc = self.trainer.callback_metrics.get("val/bpc")
-        header = f"# epoch {self.current_epoch}, step {self.step_index}" + (
-            f", val/bpc {float(bpc):.4f}" if bpc is not None else ""
-        )
-        path = Path(self.trainer.default_root_dir) / "samples" / f"epoch_{self.current_epoch:03d}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{header}\n{text}\n", encoding="utf-8")
+        return [TextSamples(h.sample_prompt, h.sample_length, h.sample_temperature, h.sample_seed)]
 
     # -------------------------------------------------------------- checkpoint
 

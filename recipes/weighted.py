@@ -2,7 +2,7 @@
 
 One trunk, three task heads on the digits (the class, odd/even, the ink mass of the image), and a
 weight per task. The tempting loop, one ``backward`` per task loss, fails on the second task with
-the error the seeds keep meeting:
+the error every multi-loss loop meets sooner or later:
 
     RuntimeError: Trying to backward through the graph a second time, but the buffers have
     already been freed. Specify retain_graph=True when calling backward the first time.
@@ -10,15 +10,15 @@ the error the seeds keep meeting:
 because the first call frees the trunk's saved tensors; ``retain_graph=True`` on all but the last
 makes it run, at the price of keeping the graph alive and walking the trunk once per task. And
 stacking the losses and calling ``losses.backward()`` on the vector fails with torch's
-``grad can be implicitly created only for scalar outputs``. The seed's answer (its grad_tensors
-example: y0=(x+w)(w+1), y1=(x+w)+(w+1), weights [1, 2] give dw = 1·5 + 2·2 = 9) is to hand the
-vector of losses and the vector of weights to one backward::
+``grad can be implicitly created only for scalar outputs``. The answer (the textbook
+``grad_tensors`` example: y0=(x+w)(w+1), y1=(x+w)+(w+1), weights [1, 2] give dw = 1·5 + 2·2 = 9) is
+to hand the vector of losses and the vector of weights to one backward::
 
     torch.autograd.backward(losses, grad_tensors=weights)    # == (weights * losses).sum().backward()
 
 The weights are the vector-Jacobian product's seed: autograd starts the pass from ∂total/∂lossᵢ = wᵢ
 and the trunk receives Σ wᵢ·∂lossᵢ/∂trunk in a single traversal, no retained graph.
-`tests/recipes/test_weighted.py` proves it equals the backward of Σ wᵢ·lossᵢ, reproduces the seed's
+`tests/recipes/test_weighted.py` proves it equals the backward of Σ wᵢ·lossᵢ, reproduces that
 dw = 9 through the same function, and shows a zero weight leaves its head with a zero gradient.
 
     python train.py recipe=weighted                       # digit, parity, ink: weights 1, 1, 30
@@ -29,17 +29,19 @@ dw = 9 through the same function, and shows a zero weight leaves its head with a
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+import lightning as L
 import torch
 from torch import nn
 
 from multiloss.balancers import Fixed, save_balancer_state
 from multiloss.batches import require_keys
+from multiloss.callbacks import LoggedCurvesPlot
+from multiloss.component_check import call_component, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, name_of, objects_given, plain
 from multiloss.config import ConfigError
-from multiloss.module import Recipe, call_component, describe_batch, describe_output
+from multiloss.module import Recipe
 from multiloss.tasks import build_tasks, loss_modules
 
 
@@ -63,35 +65,49 @@ class WeightedMultiTask(Recipe):
             cross-entropy on one logit) and ink mass (MSE) of a digit): task name -> ``{loss, target,
             weight, metric}``, see `multiloss.tasks`. ``model.tasks.<name>.weight=…`` from the shell.
         optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
+        balancer (group ``balancer``, default ``fixed``: the configured weights): `multiloss.balancers`.
         data: batches with ``x`` (the net's input) and every task's ``target`` key (digits: ``y``,
             ``parity``, ``ink``; an ``.npz``: each of its arrays).
 
-    ``training_step`` returns the vector of task losses; ``backward`` is `weighted_backward` with
-    the task weights: one pass, no ``retain_graph``. Automatic optimization, so
-    ``trainer.accumulate_grad_batches``, ``gradient_clip_val``, mixed precision and DDP's skipped
-    all-reduce all work as usual. Logs ``loss/<task>`` and ``loss/total`` (= Σ wᵢ·lossᵢ) per step,
+    The step (``training_step``, manual optimization): the net's outputs, each task's loss, and one
+    ``manual_backward`` of the vector of task losses seeded with the weights (`weighted_backward`: one
+    pass, no ``retain_graph``) — the balancer's weights, the configured ones by default; a balancer with
+    a term of its own (uncertainty) adds it to the vector with weight 1, and one that combines the
+    tasks' gradients itself (PCGrad & co.) backwards its surrogate instead. The loss is divided by
+    ``accumulate_grad_batches``; every k-th micro-batch (and an epoch's last) clips
+    (``gradient_clip_val``), steps, zeroes and advances the ``scheduler``; under DDP the other
+    micro-batches skip the all-reduce. Logs ``loss/<task>`` and ``loss/total`` (= Σ wᵢ·lossᵢ) per step,
     ``val/loss/<task>``, ``val/loss/total`` and, for a task with a metric,
-    ``val/<metric_name>/<task>`` per validation, and plots the validation metrics over the steps to
-    ``task_metrics.png`` in the run dir.
+    ``val/<metric_name>/<task>`` per validation, and plots those over the steps to ``task_metrics.png``
+    in the run dir (`multiloss.callbacks.LoggedCurvesPlot`, from metrics.csv).
 
     The shipped net has no dropout or BatchNorm by default, so a batch split over micro-batches or
     ranks gives the same gradient; both are options (``model.net.dropout``, ``model.net.batch_norm``).
 
     Raises:
         ConfigError: a task without ``loss`` or ``target``, an unknown task key, a weight negative or
-            infinite, every weight 0, a metric that is not a torchmetrics Metric; at setup (before
-            any step or write): a net that does not return a dict with one output per task, a
-            task's ``target`` not in the batch, a loss that fails on its output and target or does not
-            return a scalar, a metric that fails on them.
+            infinite, every weight 0, a metric that is not a torchmetrics Metric; the step options'
+            checks (`multiloss.module.Recipe`); at setup (before any step or write): a net that does not
+            return a dict with one output per task, a task's ``target`` not in the batch, a loss that
+            fails on its output and target or does not return a scalar, a metric that fails on them.
     """
 
     # What the recipe gives its balancer itself (the config sets neither).
     passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base", "net")}
 
     def __init__(
-        self, net: Any, tasks: Any, optimizer: Any = None, balancer: Any = None, compile: bool = False
+        self,
+        net: Any,
+        tasks: Any,
+        optimizer: Any = None,
+        balancer: Any = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        scheduler: Any = None,
+        compile: bool = False,
     ) -> None:
-        super().__init__(compile=compile)
+        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
         net, tasks, optimizer, balancer = plain(net), plain(tasks), plain(optimizer), plain(balancer)
         self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer, balancer=balancer), logger=False)
         self.tasks = build_tasks(tasks)
@@ -107,15 +123,10 @@ class WeightedMultiTask(Recipe):
             if balancer is None
             else build_module(balancer, "balancer", tasks=names, base=weights, net=network)
         )
-        self._backward_weights: torch.Tensor | None = None  # set by each training_step
-        self._step_losses: torch.Tensor | None = None  # the vector it returned (gradient-level balancers)
         self.net = network
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})
         self.loss_modules = loss_modules(self.tasks)  # losses with state (pos_weight, ...) follow the device
-        # Validation metrics after each validation, for task_metrics.png; kept in the checkpoint so a
-        # resumed run's plot continues the curves.
-        self.history: list[dict[str, float]] = []
 
     # --- the contract ----------------------------------------------------------------------------
 
@@ -172,6 +183,10 @@ class WeightedMultiTask(Recipe):
 
     # --- training ----------------------------------------------------------------------------------
 
+    @property
+    def shared_parameters(self) -> list[nn.Parameter] | None:
+        return self.balancer.shared_parameters
+
     def forward(self, x: torch.Tensor) -> Any:
         return self.net(x)
 
@@ -180,56 +195,43 @@ class WeightedMultiTask(Recipe):
         outputs = self.net(batch["x"])
         return outputs, {name: t.loss(outputs[name], batch[t.target]) for name, t in self.tasks.items()}
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        batch = self.named_batch(batch)
-        _, per_task = self.task_losses_of(batch)
-        self.task_losses = per_task  # for the conflict monitor (monitor=conflicts), until the backward
-        losses = torch.stack(list(per_task.values()))
-        weights = self.balancer.weights(losses.detach())
-        extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
-        total = (weights * losses.detach()).sum()
-        if extra is not None:
-            total = total + extra.detach()
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        batch, opt = self.named_batch(batch), self.optimizers()
+        stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
+        k = self.accumulate_grad_batches
+        with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
+            _, per_task = self.task_losses_of(batch)
+            self.task_losses = per_task  # monitor=conflicts reads them at the backward
+            losses = torch.stack(list(per_task.values()))
+            self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
+            weights = self.balancer.weights(losses.detach())
+            extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
+            if self.balancer.combines_gradients:  # PCGrad & co.: a scalar whose gradient is their combination
+                self.manual_backward(self.balancer.surrogate(list(per_task.values()), list(self.net.parameters())) / k)
+            elif extra is None:  # one pass seeded with the weights: Σ wᵢ·∇lossᵢ, the graph walked once
+                self.manual_backward(losses / k, gradient=weights)
+            else:
+                self.manual_backward(
+                    torch.cat([losses, extra.view(1)]) / k, gradient=torch.cat([weights, weights.new_ones(1)])
+                )
+        self.task_losses = None
+        total = (weights * losses.detach()).sum() + (0 if extra is None else extra.detach())
         self.log_losses({**per_task, "total": total}, batch_size=len(batch["x"]))
         if self.balancer.adaptive:
-            self.log_train_values(tuple(f"weight/{name}" for name in self.tasks), weights.detach())
-        # The vector of task losses, not a scalar: Lightning divides it by accumulate_grad_batches
-        # (and AMP scales it) element-wise, then hands it to `backward` below with these weights.
-        if extra is None:
-            self._backward_weights = weights
-            self._step_losses = losses
-            return losses
-        self._backward_weights = torch.cat([weights, weights.new_ones(1)])
-        return torch.cat([losses, extra.view(1).to(losses.dtype)])
+            self.log_train_values(tuple(f"weight/{name}" for name in self.tasks), weights)
+        if stepping:
+            self.clip_gradients(opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.step_lr_schedule(opt, stepping)
 
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        # Why automatic optimization with this hook rather than manual optimization and
-        # manual_backward(losses, gradient=w): everything Lightning does around the backward (loss
-        # / accumulate_grad_batches, no DDP all-reduce on non-stepping micro-batches, AMP loss
-        # scaling, gradient clipping, the optimizer step and zero_grad) stays Lightning's, and
-        # `trainer.accumulate_grad_batches` keeps working; manual optimization rejects it and
-        # gradient_clip_val at fit time. Only the backward call itself changes: one weighted pass.
-        if self.balancer.combines_gradients:  # PCGrad & co.: one backward per task, then their own sum
-            self.balancer.backward(self._scaled_task_losses(loss), list(self.net.parameters()))
-            return
-        # The weights this step's training_step chose; the configured ones for a backward called alone.
-        weights = self._backward_weights if self._backward_weights is not None else self.balancer.base
-        weighted_backward(loss, weights, **kwargs)
-
-    def _scaled_task_losses(self, loss: torch.Tensor) -> list[torch.Tensor]:
-        """Each task's own loss tensor, scaled as Lightning scaled the vector ``loss`` (1/k, AMP's scale).
-
-        Not ``loss[i]``: a slice of the stacked vector reaches every task's graph (with zeros), so
-        every head would look shared. The scale is d loss / d (the vector training_step returned).
-        """
-        raw = self._step_losses
-        scale = torch.autograd.grad(loss, raw, torch.ones_like(loss), retain_graph=True)[0]
-        assert self.task_losses is not None
-        return [s * task_loss for s, task_loss in zip(scale, self.task_losses.values())]
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
+    def backward(self, loss: torch.Tensor, *args: Any, gradient: torch.Tensor | None = None, **kwargs: Any) -> None:
+        """The backward Lightning calls (``manual_backward``): a vector of task losses takes one pass seeded with
+        ``gradient`` (the step's weights; the configured ones when none is given), a scalar its plain backward."""
+        if loss.dim() == 0:
+            super().backward(loss, *args, **kwargs)
+        else:
+            weighted_backward(loss, self.balancer.base if gradient is None else gradient, **kwargs)
 
     # --- validation --------------------------------------------------------------------------------
 
@@ -247,54 +249,14 @@ class WeightedMultiTask(Recipe):
             metric(self._metric_input(task, outputs[name]), batch[task.target])
             self.log(f"{self.stage}/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
 
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking or not self.task_metrics:
-            return
-        # compute() syncs over ranks (every rank calls it) and caches the value Lightning then logs.
-        entry = {"step": float(self.step_index)}
-        for name, metric in self.task_metrics.items():
-            entry[f"{name} {self.tasks[name].metric_name}"] = metric.compute().item()
-        self.history.append(entry)
-
-    # --- artifacts ---------------------------------------------------------------------------------
-
-    def on_train_epoch_end(self) -> None:
-        self._write_plot()
-
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        # Also here: a run stopped by max_steps mid-epoch never reaches on_train_epoch_end.
-        self._write_plot()
-
-    def _write_plot(self) -> None:
-        if self.trainer.is_global_zero and self.history:
-            self._plot_history(Path(self.trainer.default_root_dir) / "task_metrics.png")
-
-    def _plot_history(self, path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [h["step"] for h in self.history]
-        names = [k for k in self.history[0] if k != "step"]
-        fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
-        for ax, name in zip(axes[0], names):
-            values = [h.get(name, float("nan")) for h in self.history]
-            ax.plot(steps, values, marker="o", markersize=3)
-            ax.set_title(f"{name}: {values[-1]:.4g}")
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
+    def output_callbacks(self) -> list[L.Callback]:
+        columns = [f"val/{t.metric_name}/{name}" for name, t in self.tasks.items() if t.metric is not None]
         weights = ", ".join(f"{n}={t.weight:g}" for n, t in self.tasks.items())
-        fig.suptitle(f"validation per task (weights: {weights})")
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        return (
+            [LoggedCurvesPlot("task_metrics.png", columns, f"validation per task (weights: {weights})")]
+            if columns
+            else []
+        )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["task_metrics_history"] = list(self.history)
         save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.history = list(checkpoint.get("task_metrics_history", []))

@@ -256,7 +256,9 @@ def test_shared_names_that_match_no_layer_are_refused(make_cfg, value, shown):
 @pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
 @pytest.mark.parametrize("name", ["upgrad", "mgda"])
 def test_jacobian_descent_is_torchjds_aggregation_of_the_trunk_jacobian(make_cfg, name):
-    from torchjd.aggregation import MGDA, UPGrad
+    from torchjd.aggregation import UPGrad
+
+    from multiloss.min_norm import exact_mgda
 
     before, grads, batch = _first_step(make_cfg(*WEIGHTED, f"balancer={name}"))
     _, per_task = before.task_losses_of(batch)
@@ -268,7 +270,7 @@ def test_jacobian_descent_is_torchjds_aggregation_of_the_trunk_jacobian(make_cfg
             for w, loss in zip(c, per_task.values())
         ]
     )
-    expected = {"upgrad": UPGrad, "mgda": MGDA}[name]()(jacobian)
+    expected = {"upgrad": UPGrad, "mgda": exact_mgda}[name]()(jacobian)
     got = torch.cat([grads[n].reshape(-1) for n in trunk])
     assert torch.allclose(got, expected, atol=1e-6)
     # (No "conflicts with no task" here: with rows 100-fold apart in norm, torchjd's regularised
@@ -286,9 +288,35 @@ def test_jacobian_descent_conflicts_with_no_task_on_two_quadratics(aggregator):
     a, b = torch.tensor([1.0, 0.2], dtype=torch.float64), torch.tensor([-0.8, 1.0], dtype=torch.float64)
     losses = [((w - a) ** 2).sum(), ((w - b) ** 2).sum()]  # gradients -2a, -2b: cosine < 0
     balancer = JacobianDescent(["a", "b"], [1.0, 1.0], getattr(torchjd.aggregation, aggregator)())
-    balancer.backward(losses, [w])
+    balancer.surrogate(losses, [w]).backward()
     assert torch.allclose(w.grad, getattr(torchjd.aggregation, aggregator)()(torch.stack([-2 * a, -2 * b])))
     assert (torch.stack([-2 * a, -2 * b]) @ w.grad >= -1e-9).all()
+
+
+@pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
+def test_mgda_is_the_exact_minimum_norm_point_where_torchjds_tolerance_stops_short():
+    """Three tasks whose minimum-norm point lies inside a face of their gradients' hull: torchjd's
+    Frank-Wolfe MGDA (default tolerance) stops 18 % from it; balancer=mgda's solve is optimal to
+    round-off. Optimality (KKT): d = Σαᵢgᵢ with α ≥ 0, Σα = 1, and gᵢ·d ≥ ‖d‖² for every task, with
+    equality where αᵢ > 0."""
+    from torchjd.aggregation import MGDA
+
+    from multiloss.min_norm import MinNormWeighting, exact_mgda
+
+    gen = torch.Generator().manual_seed(1)
+    jacobian = torch.randn(3, 50, generator=gen, dtype=torch.float64)
+    jacobian[1] = -0.5 * jacobian[0] + 0.3 * jacobian[1]  # a conflicting pair, the third task apart
+    d = exact_mgda()(jacobian)
+    gram = jacobian @ jacobian.T
+    alpha = MinNormWeighting()(gram)
+    assert alpha.min() >= 0 and alpha.sum() == pytest.approx(1.0)
+    assert torch.allclose(alpha @ jacobian, d)
+    slack = (jacobian @ d - d @ d) / (d @ d)
+    assert slack.min() >= -1e-10, slack  # no task's gradient falls below the point: it is the minimum
+    assert slack[alpha > 1e-9].abs().max() <= 1e-10, slack
+    torchjd = MGDA()(jacobian)
+    assert (torchjd - d).norm() / d.norm() > 0.1  # torchjd's default stopping tolerance: far from it
+    assert (torchjd.norm() - d.norm()) / d.norm() > 0.01  # ... and longer than the minimum
 
 
 ALL = ["fixed", "uncertainty", "dwa", "pcgrad", "gradnorm", "upgrad", "mgda"]
@@ -406,6 +434,45 @@ def test_gradnorm_weight_update_is_the_gradient_of_its_loss(make_cfg, shared, la
         {f"net.{n}": g for n, g in expected.items()},
         atol=1e-5,
     )
+
+
+def test_gradnorm_keeps_its_weights_positive():
+    """A weight pushed to zero or below (a large step on the weights' gradient) comes back as ``min_weight``
+    before the renormalisation: no task's gradient is ever turned around."""
+    from multiloss.balancers import GradNorm
+
+    balancer = GradNorm(["a", "b", "c"], [1.0, 1.0, 1.0], min_weight=1e-3)
+    with torch.no_grad():
+        balancer.task_weight.copy_(torch.tensor([-0.7, 2.2, 1.5]))  # after an SGD step that overshot
+    weights = balancer.weights(torch.ones(3))
+    assert (weights > 0).all(), weights
+    assert weights.sum() == pytest.approx(3.0)
+    assert weights[0] == pytest.approx(3 * 1e-3 / (1e-3 + 2.2 + 1.5))
+    with pytest.raises(ConfigError, match="min_weight"):
+        GradNorm(["a", "b"], [1.0, 1.0], min_weight=0)
+
+
+def test_gradnorm_weights_stay_positive_under_a_large_learning_rate(make_cfg, tmp_path):
+    out = tmp_path / "run"
+    train(
+        make_cfg(
+            *WEIGHTED,
+            "logger=csv",
+            "balancer=gradnorm",
+            "model.tasks.ink.weight=1",
+            "optimizer=sgd",
+            "model.optimizer.lr=2.0",  # a step on the weights' gradient that overshoots zero (and the net's, later)
+            "trainer.max_steps=3",
+            "trainer.log_every_n_steps=1",
+            "nonfinite=off",
+            output_dir=out,
+        )
+    )
+    rows = [r for r in csv.DictReader(next(out.rglob("metrics.csv")).open()) if r.get("weight/digit")]
+    weights = [[float(r[f"weight/{t}"]) for t in ("digit", "parity", "ink")] for r in rows]
+    assert min(min(w) for w in weights) > 0, weights
+    assert min(min(w) for w in weights) < 0.01, weights  # the rule did push one to the floor
+    assert [sum(w) for w in weights] == pytest.approx([3.0] * len(rows), abs=1e-5)
 
 
 def test_gradnorm_keeps_its_weights_summing_to_the_task_count(make_cfg, tmp_path):

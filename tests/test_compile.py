@@ -17,7 +17,7 @@ from tests.conftest import BARE, SMALL_GAN
 RECIPES = {
     "multihead": ("data.batch_size=32",),
     "weighted": ("data.batch_size=32",),
-    "accumulation": ("data.batch_size=16", "trainer.accumulate_grad_batches=2"),
+    "accumulation": ("data.batch_size=16", "model.accumulate_grad_batches=2"),
     "tbptt": ("data.seq_len=16", "data.batch_size=4", "model.chunk_length=8", "model.net.hidden_size=32"),
     "gan": (*SMALL_GAN, "data.batch_size=64"),
 }

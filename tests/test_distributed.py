@@ -74,7 +74,7 @@ EQUIVALENCE = {
     "multihead": ("optimizer=sgd", "trainer.max_steps=6", "trainer.val_check_interval=6"),
     "weighted": ("optimizer=sgd", "trainer.max_steps=6", "trainer.val_check_interval=6"),
     # k=2 under DDP: also counts the all-reduces (one per optimizer step, not one per micro-batch).
-    "accumulation": ("trainer.accumulate_grad_batches=2", "trainer.max_steps=5", "trainer.val_check_interval=10"),
+    "accumulation": ("model.accumulate_grad_batches=2", "trainer.max_steps=5", "trainer.val_check_interval=10"),
 }
 
 
@@ -333,14 +333,14 @@ def test_gradient_balancers_all_reduce_once_per_step_under_accumulation(tmp_path
     """GradNorm's Lᵢ(0) is the ranks' mean of the first step's losses (1 rank × 2b's), the same on every
     rank: a resumed run, which loads rank zero's, goes on exactly as the straight one."""
     out = tmp_path / "ddp"
-    common = (*BALANCED, f"balancer={balancer}", "trainer.accumulate_grad_batches=2", *DDP, "data.batch_size=16")
+    common = (*BALANCED, f"balancer={balancer}", "model.accumulate_grad_batches=2", *DDP, "data.batch_size=16")
     _train(out, *common, *_counter(out))
     for counts in _counts(out):
         assert counts["optimizer_steps"] == 3
         assert counts["allreduces"] == 3, counts  # the surrogate backward reaches DDP's reducer, no_sync kept
     if balancer == "gradnorm":
         # One rank × 2b, k=2 as well (the losses a balancer sees carry Lightning's 1/k).
-        single = (*BALANCED, "balancer=gradnorm", "trainer.accumulate_grad_batches=2", *ONE, "data.batch_size=32")
+        single = (*BALANCED, "balancer=gradnorm", "model.accumulate_grad_batches=2", *ONE, "data.batch_size=32")
         one = _train(tmp_path / "one", *single, "trainer.max_steps=1")
         initial = [load_weights(run / "checkpoints/last.ckpt")["balancer._extra_state"] for run in (out, one)]
         torch.testing.assert_close(initial[0]["initial_losses"], initial[1]["initial_losses"], atol=1e-6, rtol=0)
@@ -358,10 +358,10 @@ def test_count_exact_accumulation_on_two_ranks_equals_one_batch_of_all_examples(
         *common,
         *DDP,
         "data.batch_size=16",
-        "trainer.accumulate_grad_batches=4",
+        "model.accumulate_grad_batches=4",
         "model.count_exact=true",
     )
-    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=128", "trainer.accumulate_grad_batches=1")
+    one = _train(tmp_path / "one", *common, *ONE, "data.batch_size=128", "model.accumulate_grad_batches=1")
     assert torch.load(two / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 12  # 11 full + the short one
     _assert_same_weights(two, one)
     # Both at linear LR scaling: 16 × 4 × 2 ranks = 128 × 1 × 1 = 128 vs base 64, SGD's 0.1 × 2.

@@ -16,7 +16,7 @@ from tests.conftest import ONE_CPU_NO_VAL, QUIET, SMALL_GAN
 RUNS = {
     "multihead": ((), "acc"),
     "weighted": ((), "acc/parity"),
-    "accumulation": (("trainer.accumulate_grad_batches=2",), "acc"),
+    "accumulation": (("model.accumulate_grad_batches=2",), "acc"),
     "gan": (SMALL_GAN, "modes"),
     "tbptt": (("data.seq_len=32", "model.net.hidden_size=32", "trainer.limit_val_batches=4"), "bpc"),
 }

@@ -1,6 +1,6 @@
 """Autograd pitfalls in a training step — the recipes' or a user's own — come with their cause and fix.
 
-Each case below is a mistake the field notes describe, made in a user's subclass or network and
+Each case below is a classic mistake, made in a user's subclass or network and
 run through the real `multiloss.train`: PyTorch's error keeps its type and message, and gets a
 `multiloss:` note naming the cause and the fix (never "use retain_graph=True"). A graph kept alive
 from step to step (``total += loss``) is warned about.
@@ -24,11 +24,7 @@ SMALL = ("model.net.width=16", "trainer.accelerator=cpu", "trainer.max_steps=3",
 
 
 class PerHeadBackward(MultiHead):
-    """The seeds' first loop: one backward per head, no retain_graph."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
+    """The first loop everyone writes: one backward per head, no retain_graph."""
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)
@@ -65,19 +61,15 @@ class FrozenForward(DeepSupervisionMLP):
 
 
 class RunningLoss(MultiHead):
-    """`total += loss` without .item(), and backward(retain_graph=True), the seeds' remedy for the error a
+    """`total += loss` without .item(), and backward(retain_graph=True), the usual remedy for the error a
     later backward through `total` raises: every step's graph and its activations stay alive."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.running = torch.zeros(())
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        self.running = self.running + loss
-        return loss
-
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.running = self.running + loss
         loss.backward(retain_graph=True)
 
 

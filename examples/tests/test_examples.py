@@ -197,7 +197,8 @@ def test_gru_tbptt_equals_the_detach_loop(data, chunk, every):
 
 def test_moons_accumulation_equals_one_big_batch(data):
     _, datamodule, module = _build("moons_accumulation", data)
-    (grads,) = testing.step_gradients(module, datamodule, accumulate_grad_batches=4)
+    assert module.accumulate_grad_batches == 4  # the recipe's default k
+    (grads,) = testing.step_gradients(module, datamodule)
     datamodule.setup("fit")
     micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
     whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}

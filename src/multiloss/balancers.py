@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from multiloss.config import require
-from multiloss.task_gradients import TaskGradients, accumulate_into_grads, select_parameters, task_gradients
+from multiloss.task_gradients import TaskGradients, gradient_surrogate, select_parameters, task_gradients
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -41,7 +41,8 @@ class Balancer(nn.Module):
     """
 
     adaptive = True  # its weights change: the recipe logs them as weight/<task>
-    combines_gradients = False  # True: the recipe calls `backward` instead of one weighted backward
+    combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
+    shared_parameters: list[nn.Parameter] | None = None  # the layers its rule works on, when named (`shared`)
 
     def __init__(self, tasks: Sequence[str], base: Sequence[float]) -> None:
         super().__init__()
@@ -57,11 +58,11 @@ class Balancer(nn.Module):
         """A scalar added to the backward to train the balancer's own parameters (None: nothing)."""
         return None
 
-    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        """Accumulate this step's gradient into ``params``' ``.grad`` (``combines_gradients`` balancers).
+    def surrogate(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """A scalar whose gradient on ``params`` is this step's combined gradient (``combines_gradients`` balancers).
 
         ``losses``: each task's own loss tensor (not slices of one stacked vector: a slice's graph
-        reaches every task).
+        reaches every task). The recipe backwards the result as its one loss.
         """
         raise NotImplementedError
 
@@ -89,7 +90,7 @@ def save_balancer_state(balancer: Balancer, checkpoint: dict, reduce: Reduce, pr
 
 
 class GradientBalancer(Balancer):
-    """A balancer that combines the tasks' gradients itself: one backward per task, then its own sum.
+    """A balancer that combines the tasks' gradients itself: one gradient per task, then its own combination.
 
     ``shared``: the shared parameters its rule works on, as names of ``model.net``'s modules or
     parameters (``[trunk.1]``: the shipped trunk's last layer, GradNorm's "last shared layer"); null
@@ -112,10 +113,20 @@ class GradientBalancer(Balancer):
         # A plain list, not a submodule: the net's own parameters, resolved once.
         self.shared_parameters = None if shared is None else select_parameters(net, shared)
 
-    def task_gradients(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> TaskGradients:
-        """Each task's gradient of cᵢ·Lᵢ (the configured weight), on the shared parameters and the rest."""
+    def surrogate(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """Each task's gradient of cᵢ·Lᵢ (the configured weight), combined by `combine` into a surrogate loss.
+
+        Outside autocast: the step's forward runs under mixed precision, but the rule's own arithmetic
+        (projections, norms, a QP's Gramian) is done in the gradients' precision, as a backward would.
+        """
         weighted = [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
-        return task_gradients(weighted, params, self.shared_parameters)
+        with torch.autocast(weighted[0].device.type, enabled=False):
+            grads = task_gradients(weighted, params, self.shared_parameters)
+            return self.combine(grads, losses)
+
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The surrogate loss (`multiloss.task_gradients.gradient_surrogate`) of this step's tasks' gradients."""
+        raise NotImplementedError
 
 
 class Fixed(Balancer):
@@ -256,9 +267,8 @@ class PCGrad(GradientBalancer):
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         return self.base
 
-    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        grads = self.task_gradients(losses, params)
-        accumulate_into_grads(grads, pcgrad(grads.vectors, self.orders(len(self.tasks))))
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        return gradient_surrogate(grads, pcgrad(grads.vectors, self.orders(len(self.tasks))))
 
     def orders(self, n: int) -> list[list[int]]:
         """For each task, the other tasks in the order they are projected against."""
@@ -315,9 +325,8 @@ class JacobianDescent(GradientBalancer):
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         return self.base
 
-    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        grads = self.task_gradients(losses, params)
-        accumulate_into_grads(grads, self.aggregator(grads.vectors))
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        return gradient_surrogate(grads, self.aggregator(grads.vectors))
 
 
 class GradNorm(GradientBalancer):
@@ -327,7 +336,9 @@ class GradNorm(GradientBalancer):
     with ``shared: [<its name>]``), Ḡ their mean, rᵢ = (Lᵢ/Lᵢ(0)) / mean over tasks of the same. The weights wᵢ (in
     the optimizer and checkpoint) get the gradient of Σᵢ |Gᵢ - Ḡ·rᵢ^α| with the target held constant,
     i.e. sign(Gᵢ - Ḡrᵢ^α)·‖∇_W Lᵢ‖; the network gets Σ cᵢ·wᵢ·∇Lᵢ. Before each step the weights are
-    renormalised to sum to the number of tasks. ``alpha``: the restoring force (the paper's 0.12–3;
+    kept positive (one pushed to ``min_weight`` or below is raised to it: a weight ≤ 0 would turn its
+    task's gradient around, and the sign of its own rule with it) and renormalised to sum to the number
+    of tasks. ``alpha``: the restoring force (the paper's 0.12–3;
     1.5 for its NYUv2 runs). One backward per task. Lᵢ(0): the first step's losses, averaged over the ranks.
     """
 
@@ -338,12 +349,14 @@ class GradNorm(GradientBalancer):
         tasks: Sequence[str],
         base: Sequence[float],
         alpha: float = 1.5,
+        min_weight: float = 1e-3,
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
     ) -> None:
         super().__init__(tasks, base, shared, net)
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
-        self.alpha = float(alpha)
+        require(0 < min_weight < 1, "min_weight", min_weight, "a number in (0, 1): the least weight a task keeps")
+        self.alpha, self.min_weight = float(alpha), float(min_weight)
         self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
         self.initial_losses = torch.full((len(self.tasks),), math.nan)  # extra state: not broadcast by DDP
         self._mean_over_ranks: Reduce | None = None
@@ -352,12 +365,12 @@ class GradNorm(GradientBalancer):
         self._mean_over_ranks = reduce
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():  # the paper's renormalisation: Σ wᵢ = K after every update
+        with torch.no_grad():  # positive, then the paper's renormalisation: Σ wᵢ = K after every update
+            self.task_weight.clamp_(min=self.min_weight)
             self.task_weight.mul_(len(self.tasks) / self.task_weight.sum())
         return self.base * self.task_weight.detach()
 
-    def backward(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-        grads = self.task_gradients(losses, params)
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         values = torch.stack([loss.detach().float() for loss in losses])
         if self.initial_losses.device != values.device:
             self.initial_losses = self.initial_losses.to(values.device)
@@ -372,8 +385,9 @@ class GradNorm(GradientBalancer):
         target = g.mean() * (ratio / ratio.mean()) ** self.alpha
         weight_grad = torch.sign(g - target) * norms
         weighted = grads.scaled(w)
-        accumulate_into_grads(weighted, weighted.vectors.sum(0))
-        torch.autograd.backward((self.task_weight * weight_grad.to(self.task_weight.dtype)).sum())
+        # The net's gradient Σ wᵢ·∇(cᵢLᵢ), and the weights' own: the gradient of their loss, target held constant.
+        own = (self.task_weight * weight_grad.to(self.task_weight.dtype).detach()).sum()
+        return gradient_surrogate(weighted, weighted.vectors.sum(0)) + own
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         return {"initial_losses": self.initial_losses.cpu()}

@@ -29,6 +29,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from multiloss.config import ConfigError
+from multiloss.module import Recipe
 
 
 class CheckpointWriteError(RuntimeError):
@@ -104,7 +105,7 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> None:
     expected = module.state_dict()
     missing = [k for k in expected if k not in state]
     # Parts a module builds only once it has seen the data (multihead's balancer, sized by its heads).
-    later = tuple(getattr(module, "built_at_setup", ()))
+    later = module.built_at_setup if isinstance(module, Recipe) else ()
     unexpected = [k for k in state if k not in expected and not k.startswith(later)]
     reshaped = [
         f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"

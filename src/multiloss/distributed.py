@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multiloss.config import ConfigError
+from multiloss.module import Recipe
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
 
@@ -126,11 +127,11 @@ class DDPStrategy(LightningDDPStrategy):
             self._launcher = _HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def configure_ddp(self) -> None:
-        names = tuple(getattr(self.lightning_module, "ddp_submodules", ()) or ())
+        module = self.lightning_module
+        names = module.ddp_submodules if isinstance(module, Recipe) else ()
         if not names:
             super().configure_ddp()
             return
-        module = self.lightning_module
         wrappers = {name: self._setup_model(getattr(module, name)) for name in names}
         # A plain attribute, not a submodule: the module's state_dict (and so every checkpoint)
         # keeps the same keys on one device and on many.

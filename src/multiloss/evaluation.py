@@ -16,16 +16,11 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
+from multiloss.builders import build_data_and_model, build_trainer
+from multiloss.callbacks.run_record import CONFIG_DIRS_KEY, OVERRIDES_KEY, SPLIT_KEY
 from multiloss.config import ConfigError, check_config, require
 
 log = logging.getLogger("multiloss")
-
-# Where a checkpoint keeps the overrides of the run that wrote it, the config dirs it added
-# (--config-dir), and its data split.
-OVERRIDES_KEY = "multiloss_overrides"
-CONFIG_DIRS_KEY = "multiloss_config_dirs"
-SPLIT_KEY = "multiloss_data_split"
-SPLIT_KEYS = ("val_fraction", "test_fraction", "split_seed")
 # Overrides of the training run that never carry over to an evaluation of its checkpoint.
 _NOT_CARRIED = ("ckpt_path", "overwrite", "hydra", "optimized_metric")
 
@@ -93,7 +88,6 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from multiloss.callbacks import LossCurves
     from multiloss.checkpoints import verify_checkpoint
     from multiloss.console import save_run_config
-    from multiloss.training import build_data_and_model, build_trainer
 
     check_config(cfg)
     require(bool(cfg.get("ckpt_path")), "ckpt_path", cfg.get("ckpt_path"), "the checkpoint to evaluate (a .ckpt file)")

@@ -106,19 +106,20 @@ def pairwise_cosines(vectors: torch.Tensor) -> torch.Tensor:
     return unit @ unit.T
 
 
-def accumulate_into_grads(gradients: TaskGradients, shared_vector: torch.Tensor) -> None:
-    """Add ``shared_vector`` (over the shared parameters) and the task-own gradients into ``.grad``.
+def gradient_surrogate(gradients: TaskGradients, shared_vector: torch.Tensor) -> torch.Tensor:
+    """A scalar whose gradient is ``shared_vector`` on the shared parameters and each task's own gradient on the rest.
 
-    Through a backward of a surrogate (Σ ⟨p, g⟩), not by writing ``.grad``: DDP's reducer hears
-    about gradients only when autograd accumulates them, so this keeps its all-reduce (and
-    ``no_sync`` under accumulation) as for any backward.
+    Σ ⟨p, g⟩ with the g held constant: the recipe backwards it like any loss (``manual_backward``), so
+    the combined gradient reaches ``.grad`` through autograd, where DDP's reducer (and its ``no_sync``
+    under accumulation), AMP's loss scale and the accumulation's 1/k treat it as any other gradient.
     """
     surrogate = []
     offset = 0
     for p in gradients.shared:
         n = p.numel()
-        surrogate.append((p * shared_vector[offset : offset + n].view_as(p).to(p.dtype)).sum())
+        surrogate.append((p * shared_vector[offset : offset + n].view_as(p).to(p.dtype).detach()).sum())
         offset += n
     surrogate += [(p * g.detach()).sum() for p, g, _ in gradients.own]
-    if surrogate:
-        torch.autograd.backward(torch.stack([s.float() for s in surrogate]).sum())
+    if not surrogate:
+        return shared_vector.new_zeros((), requires_grad=True)
+    return torch.stack([s.float() for s in surrogate]).sum()

@@ -3,7 +3,7 @@
 A proof runs the recipe's real training step under the real Lightning Trainer, captures every
 parameter's gradient just before each optimizer step (`step_gradients`), and compares it
 (`assert_gradients_close`) with an independent reference computed in plain PyTorch on the same
-network, the way the hand-written loops of the field notes compute it:
+network, the way the usual hand-written loops compute it:
 
 - `per_head_gradients`: one ``backward(retain_graph=True)`` per head (multihead's summed backward);
 - `weighted_sum_gradients`: the backward of Σ wᵢ·lossᵢ (weighted's single ``grad_tensors`` backward);
@@ -48,7 +48,7 @@ from omegaconf import DictConfig, open_dict
 from torch import nn
 
 from multiloss.batches import as_dict
-from multiloss.training import build_data_and_model
+from multiloss.builders import build_data_and_model
 
 Gradients = dict[str, torch.Tensor | None]
 
@@ -143,9 +143,12 @@ def step_gradients(
 def bare_trainer(**overrides: Any) -> L.Trainer:
     """A Trainer with nothing beside the training loop: one CPU process, no validation, logging,
     checkpoints, progress bar or summary, and the recipe's artifacts (tbptt's samples, accumulation's
-    ``lr_scaling.json``) in a temporary dir rather than the working directory. ``overrides`` are
-    Trainer arguments (``max_steps=1``, ``gradient_clip_val=1e-3``, ``callbacks=[...]``)."""
+    ``lr_scaling.json``) in a temporary dir rather than the working directory. ``max_epochs`` is
+    Lightning's own default (1000), also with ``max_steps``, so a schedule by epochs (the GAN's
+    ``linear_decay``) has a last epoch. ``overrides`` are Trainer arguments (``max_steps=1``,
+    ``callbacks=[...]``)."""
     settings: dict[str, Any] = {
+        "max_epochs": 1000,
         "accelerator": "cpu",
         "devices": 1,
         "logger": False,
@@ -206,7 +209,7 @@ def per_head_gradients(
     loss: Callable[..., torch.Tensor] = F.cross_entropy,
     prefix: str = "net.",
 ) -> Gradients:
-    """The seeds' multi-head loop: ``(wᵢ·loss(headᵢ, y)).backward(retain_graph=True)`` for each head in turn.
+    """The hand-written multi-head loop: ``(wᵢ·loss(headᵢ, y)).backward(retain_graph=True)`` for each head in turn.
 
     ``net(batch["x"])`` returns one output per head; gradients accumulate across the backwards.
     """
@@ -317,7 +320,7 @@ def accumulated_gradients(
     loss: Callable[..., torch.Tensor] = F.cross_entropy,
     prefix: str = "net.",
 ) -> Gradients:
-    """The seeds' accumulation loop: ``(loss(net(x), y) / k).backward()`` on each of k micro-batches."""
+    """The hand-written accumulation loop: ``(loss(net(x), y) / k).backward()`` on each of k micro-batches."""
     net = copy.deepcopy(net)
     net.zero_grad(set_to_none=True)
     for micro in micro_batches:

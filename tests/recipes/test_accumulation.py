@@ -1,7 +1,7 @@
-"""`accumulation`: k micro-batches of b == one batch of k·b == the seeds' hand-written loop; LR == the rule.
+"""`accumulation`: k micro-batches of b == one batch of k·b == the hand-written loop; LR == the rule.
 
 The runs are the recipe's own, under the real Trainer and the real composed config; the reference
-is the seeds' loop in plain PyTorch (``loss / accumulation_steps``, ``backward()`` every batch,
+is the hand-written loop in plain PyTorch (``loss / accumulation_steps``, ``backward()`` every batch,
 ``step()`` every ``accumulation_steps``), reading the examples straight from the split tensors.
 Weights are compared after several SGD steps (not Adam: see tests/recipes/test_multihead.py).
 Expected learning rates are worked out by hand in the test tables, not by calling the rule.
@@ -50,7 +50,7 @@ def _train_tensors(make_cfg):
 
 
 def _seed_loop(net, x, y, order, micro_batch, accumulation_steps, steps, lr, momentum=0.0):
-    """The seeds' gradient-accumulation loop, verbatim in spirit, in plain PyTorch."""
+    """The hand-written gradient-accumulation loop, in plain PyTorch."""
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     optimizer.zero_grad()
     net.train()
@@ -125,7 +125,7 @@ def test_lr_used_equals_rule(make_cfg, tmp_path, rule, b, k, lr):
         "model.base_batch_size=32",
         "model.optimizer.lr=0.1",
         f"data.batch_size={b}",
-        f"trainer.accumulate_grad_batches={k}",
+        f"model.accumulate_grad_batches={k}",
         "data.shuffle=false",
         "trainer.max_steps=1",
         "trainer.log_every_n_steps=1",
@@ -156,13 +156,13 @@ def test_resume_rescales_for_the_new_effective_batch(make_cfg, tmp_path):
     """Resuming with another k (or on more ranks) uses the rule for the new effective batch, not the
     LR stored in the checkpoint's optimizer state."""
     first = (*FAST, "model.base_batch_size=32", "data.batch_size=16", "~callbacks.loss_curves")
-    train(make_cfg(*first, "trainer.accumulate_grad_batches=2", "trainer.max_steps=2", output_dir=tmp_path / "a"))
+    train(make_cfg(*first, "model.accumulate_grad_batches=2", "trainer.max_steps=2", output_dir=tmp_path / "a"))
     ckpt = tmp_path / "a/checkpoints/last.ckpt"
     assert torch.load(ckpt, weights_only=False)["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1)
     train(
         make_cfg(
             *first,
-            "trainer.accumulate_grad_batches=4",
+            "model.accumulate_grad_batches=4",
             "trainer.max_steps=3",
             f"ckpt_path={ckpt}",
             output_dir=tmp_path / "b",
@@ -181,7 +181,7 @@ def test_lr_used_with_adam(make_cfg, tmp_path):
             "optimizer=adam",
             "model.lr_scaling=sqrt",
             "data.batch_size=32",
-            "trainer.accumulate_grad_batches=8",
+            "model.accumulate_grad_batches=8",
             "trainer.max_steps=1",
             "trainer.log_every_n_steps=1",
             "~callbacks.loss_curves",
@@ -217,13 +217,13 @@ def test_micro_batches_equal_one_big_batch_and_the_seed_loop(make_cfg, rule, lr,
         f"data.shuffle={str(shuffle).lower()}",
         f"trainer.max_steps={STEPS}",
     )
-    initial, accumulated, t_acc = _fit(make_cfg, *common, "data.batch_size=16", "trainer.accumulate_grad_batches=4")
-    _, big, t_big = _fit(make_cfg, *common, "data.batch_size=64", "trainer.accumulate_grad_batches=1")
+    initial, accumulated, t_acc = _fit(make_cfg, *common, "data.batch_size=16", "model.accumulate_grad_batches=4")
+    _, big, t_big = _fit(make_cfg, *common, "data.batch_size=64", "model.accumulate_grad_batches=1")
     assert t_acc.global_step == t_big.global_step == STEPS
     assert t_acc.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr, rel=1e-12)
     assert t_big.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr, rel=1e-12)
 
-    # The seeds' loop, over the same examples: with shuffle=false the split's index order; with
+    # The hand-written loop, over the same examples: with shuffle=false the split's index order; with
     # shuffle=true the sampler's permutation, a pure function of (seed, epoch) whatever the batch size.
     x, y, dm = _train_tensors(make_cfg)
     order = torch.arange(len(y))
@@ -239,11 +239,18 @@ def test_micro_batches_equal_one_big_batch_and_the_seed_loop(make_cfg, rule, lr,
 
 
 def test_multiloss_testing_references_prove_the_recipe(make_cfg):
-    """The public helpers: the recipe's accumulated step == the seeds' loop over the 4 micro-batches ==
+    """The public helpers: the recipe's accumulated step == the hand-written loop over the 4 micro-batches ==
     one backward over their 64 examples."""
-    cfg = make_cfg(*FAST, "logger=none", "callbacks=none", "data.batch_size=16", "model.lr_scaling=none")
+    cfg = make_cfg(
+        *FAST,
+        "logger=none",
+        "callbacks=none",
+        "data.batch_size=16",
+        "model.lr_scaling=none",
+        "model.accumulate_grad_batches=4",
+    )
     datamodule, model = testing.build(cfg)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1, accumulate_grad_batches=4)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1)
     datamodule.setup("fit")
     micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
     whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
@@ -265,7 +272,7 @@ def test_batch_norm_breaks_the_equivalence(make_cfg):
     recipe's default has neither; models that need BatchNorm under accumulation reach for
     GroupNorm/LayerNorm or ghost batch norm, or accept the difference.
 
-    The difference is the statistics and nothing else: the seeds' hand-written loop, which also
+    The difference is the statistics and nothing else: the hand-written loop, which also
     normalises per micro-batch, matches Lightning's accumulated run to float precision.
     """
     common = (
@@ -274,8 +281,8 @@ def test_batch_norm_breaks_the_equivalence(make_cfg):
         "data.shuffle=false",
         f"trainer.max_steps={STEPS}",
     )
-    initial, accumulated, _ = _fit(make_cfg, *common, "data.batch_size=16", "trainer.accumulate_grad_batches=4")
-    _, big, _ = _fit(make_cfg, *common, "data.batch_size=64", "trainer.accumulate_grad_batches=1")
+    initial, accumulated, _ = _fit(make_cfg, *common, "data.batch_size=16", "model.accumulate_grad_batches=4")
+    _, big, _ = _fit(make_cfg, *common, "data.batch_size=64", "model.accumulate_grad_batches=1")
 
     x, y, _ = _train_tensors(make_cfg)
     reference = _seed_loop(copy.deepcopy(initial), x, y, torch.arange(len(y)), 16, 4, STEPS, lr=0.1)
@@ -300,13 +307,13 @@ def test_short_last_group_of_an_epoch_is_down_weighted(make_cfg):
         "model.lr_scaling=none",
         "data.shuffle=false",
         "data.batch_size=16",
-        "trainer.accumulate_grad_batches=4",
+        "model.accumulate_grad_batches=4",
         "trainer.max_steps=23",
         callbacks=[capture],
     )
     assert trainer.current_epoch == 1 and len(capture.steps) == 23  # the 23rd step ended epoch 0
 
-    # Weights before step 23: the seeds' loop for 22 full steps (checked equal to Lightning above).
+    # Weights before step 23: the hand-written loop for 22 full steps (checked equal to Lightning above).
     x, y, _ = _train_tensors(make_cfg)
     net = _seed_loop(copy.deepcopy(initial), x, y, torch.arange(len(y)), 16, 4, 22, lr=0.1)
     tail = slice(22 * 64, len(y))
@@ -351,7 +358,8 @@ def test_default_run_logs_and_learns(make_cfg, tmp_path):
     [
         ("model.lr_scaling=cubic", "model.lr_scaling"),
         ("model.base_batch_size=0", "model.base_batch_size"),
-        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),
+        ("model.accumulate_grad_batches=0", "model.accumulate_grad_batches"),
+        ("trainer.accumulate_grad_batches=4", "trainer.accumulate_grad_batches"),
     ],
 )
 def test_bad_settings_are_rejected_before_training(make_cfg, tmp_path, override, key):
@@ -371,7 +379,7 @@ def test_count_exact_weighs_every_example_of_the_short_last_step_the_same(make_c
         "model.count_exact=true",
         "data.shuffle=false",
         "data.batch_size=16",
-        "trainer.accumulate_grad_batches=4",
+        "model.accumulate_grad_batches=4",
         "trainer.max_steps=23",
         callbacks=[capture],
     )

@@ -1,5 +1,5 @@
 """`gan`: each step touches only its own network, the gradients equal a plain-PyTorch reference, the
-penalty's double backward equals finite differences, and the seed's pitfalls fail as documented.
+penalty's double backward equals finite differences, and the classic pitfalls fail as documented.
 
 The recipe's gradients are taken from its own training step under the real Trainer (captured just
 before each optimizer step); the references are hand-written loops in plain PyTorch.
@@ -118,7 +118,7 @@ def test_each_step_touches_only_its_own_network(make_cfg, loss):
 
 
 def _reference_d_loss(D, real, fake, eps, loss: str, gp_weight: float) -> torch.Tensor:
-    """The seeds' loop, written out: -log σ(D(x)) - log(1 - σ(D(G(z)))), or the WGAN-GP critic loss."""
+    """The hand-written loop, written out: -log σ(D(x)) - log(1 - σ(D(G(z)))), or the WGAN-GP critic loss."""
     if loss == "wgan-gp":
         total = D(fake).mean() - D(real).mean()
     else:
@@ -221,7 +221,7 @@ def test_gradient_penalty_without_create_graph_gives_the_weights_no_gradient():
     torch.testing.assert_close(right, flat)  # same value, different gradient
 
 
-# --- the seed's pitfalls, on this module ------------------------------------------------------------
+# --- the classic pitfalls, on this module ------------------------------------------------------------
 
 
 def _module_and_batch(make_cfg):
@@ -239,7 +239,7 @@ def test_without_detach_the_d_loss_fills_the_generators_gradients(make_cfg):
 
     model.discriminator_losses(real, fake)["d"].backward()  # the mistake
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.generator.parameters())
-    # And G's own backward through the same fake now finds that part of the graph freed (the seed's error).
+    # And G's own backward through the same fake now finds that part of the graph freed (the classic error).
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         model.generator_loss(fake).backward()
 
@@ -334,9 +334,10 @@ def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path):
     straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert any(not torch.equal(first[k], straight[k]) for k in straight)
-    # The schedule did move: epoch 2 ran at half the learning rate (1 - 2/4).
+    # The schedule did move. It steps at each epoch's last batch, as a plain loop's `scheduler.step()` after
+    # the epoch: the checkpoint taken when epoch 2 ended holds the rate epoch 3 trains at, 1 - 3/4.
     lrs = torch.load(runs[0] / "checkpoints/last.ckpt", weights_only=True)["optimizer_states"]
-    assert [state["param_groups"][0]["lr"] for state in lrs] == pytest.approx([5e-4, 5e-4])
+    assert [state["param_groups"][0]["lr"] for state in lrs] == pytest.approx([2.5e-4, 2.5e-4])
 
 
 def test_resume_from_a_max_steps_stop_at_an_epoch_end_equals_straight_run(make_cfg, tmp_path):

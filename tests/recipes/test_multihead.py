@@ -1,7 +1,7 @@
 """`multihead`: one backward of the summed heads == per-head backward(retain_graph=True) == per-head autograd.grad.
 
 The summed gradient is taken from the recipe's real training step under the real Trainer (captured
-just before the optimizer step); the references are the seeds' hand-written loops in plain PyTorch.
+just before the optimizer step); the references are the hand-written loops in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_summed_backward_equals_per_head_references(make_cfg, weights):
     summed, model, batch = _step(make_cfg, *overrides)
     head_weights = model.head_weights or [1.0, 1.0, 1.0]
 
-    # Reference 1: the seeds' loop, one backward per head, retain_graph so the trunk survives.
+    # Reference 1: the hand-written loop, one backward per head, retain_graph so the trunk survives.
     per_head_backward = testing.per_head_gradients(model.net, batch, head_weights)
 
     # Reference 2: torch.autograd.grad per head, summed by hand.
@@ -52,7 +52,7 @@ def test_summed_backward_equals_per_head_references(make_cfg, weights):
 
 
 def test_per_head_backward_without_retain_graph_fails(make_cfg):
-    """The seeds' pitfall, shown on the real module: the second head's backward finds the trunk freed."""
+    """The classic pitfall, shown on the real module: the second head's backward finds the trunk freed."""
     datamodule, model = testing.build(make_cfg("recipe=multihead"))
     batch = testing.first_batch(datamodule)
     losses = [F.cross_entropy(logits, batch["y"]) for logits in model.net(batch["x"])]
@@ -96,11 +96,18 @@ def test_a_net_that_breaks_the_contract_is_rejected_before_any_write(make_cfg, t
     assert not (tmp_path / ".hydra").exists() and not (tmp_path / "checkpoints").exists()
 
 
-def test_trainer_gradient_clipping_still_clips(make_cfg):
-    # The recipes skip Lightning's clipping hook only when no clipping value is set anywhere.
-    cfg = make_cfg("recipe=multihead", *BARE, "optimizer=sgd", "model.optimizer.lr=1.0", "trainer.max_steps=1")
+def test_gradient_clipping_clips(make_cfg):
+    # The step clips only when model.gradient_clip_val is set.
+    cfg = make_cfg(
+        "recipe=multihead",
+        *BARE,
+        "optimizer=sgd",
+        "model.optimizer.lr=1.0",
+        "model.gradient_clip_val=1e-3",
+        "trainer.max_steps=1",
+    )
     datamodule, model = testing.build(cfg)
     before = [p.detach().clone() for p in model.parameters()]
-    testing.bare_trainer(max_steps=1, gradient_clip_val=1e-3).fit(model, datamodule=datamodule)
+    testing.bare_trainer(max_steps=1).fit(model, datamodule=datamodule)
     moved = torch.linalg.vector_norm(torch.stack([(p - b).norm() for p, b in zip(model.parameters(), before)]))
     assert 0 < moved <= 1e-3 * (1 + 1e-4)  # one SGD step of lr 1 on a gradient clipped to norm 1e-3

@@ -4,7 +4,7 @@ The recipe's gradients are captured just before each optimizer step of a real `T
 references below are written from scratch: an LSTM cell spelled out gate by gate from the
 module's weights, chunks cut by index, the ``repackage_hidden`` loop, SGD by hand. Then the
 memory proof (bytes autograd saves for backward, counted with ``saved_tensors_hooks``) and the
-seeds' pitfall, shown on the real module with the detach removed.
+classic pitfall, shown on the real module with the detach removed.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def _saved_bytes(make_cfg, seq_len: int, *overrides: str, target: str | None = N
 
 
 class NoDetach(TruncatedBPTT):
-    """The seeds' pitfall: the hidden state is carried with its graph."""
+    """The classic pitfall: the hidden state is carried with its graph."""
 
     @staticmethod
     def repackage_hidden(hidden):
@@ -279,7 +279,7 @@ class NoDetach(TruncatedBPTT):
 
 
 class NoDetachRetainGraph(NoDetach):
-    """... and the seeds' first remedy for the error that follows: retain_graph=True."""
+    """... and the usual first remedy for the error that follows: retain_graph=True."""
 
     def manual_backward(self, loss, *args, **kwargs):
         super().manual_backward(loss, *args, retain_graph=True, **kwargs)
@@ -309,13 +309,13 @@ def test_without_detach_retained_graphs_grow_with_seq_len(make_cfg):
 
 
 def test_without_detach_second_chunk_backward_fails(make_cfg):
-    """The seeds' error, on the real module: chunk 2's backward runs into chunk 1's freed graph."""
+    """The classic error, on the real module: chunk 2's backward runs into chunk 1's freed graph."""
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         _fit_one_batch(make_cfg, "data.seq_len=32", "model.chunk_length=16", target=f"{__name__}.NoDetach")
 
 
 def test_without_detach_retain_graph_trips_on_the_optimizer_step(make_cfg):
-    """The seed's remedy, retain_graph=True, fails next: the step changed weights chunk 1's graph saved."""
+    """The usual remedy, retain_graph=True, fails next: the step changed weights chunk 1's graph saved."""
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _fit_one_batch(make_cfg, "data.seq_len=32", "model.chunk_length=16", target=f"{__name__}.NoDetachRetainGraph")
 

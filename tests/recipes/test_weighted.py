@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from multiloss.recipes.weighted import weighted_backward
 
 from multiloss import testing, train
+from multiloss.callbacks.plots import curves_in
 from multiloss.config import ConfigError
 from multiloss.testing import assert_gradients_close
 from tests.conftest import BARE
@@ -113,16 +114,16 @@ def test_zero_weight_leaves_its_head_with_zero_gradient(make_cfg):
 
 
 def test_lightning_accumulation_scales_the_loss_vector(make_cfg):
-    """trainer.accumulate_grad_batches=2 of 32 == one batch of 64: Lightning's loss / k acts on the
-    vector before the recipe's weighted backward (the reason the recipe keeps automatic optimization)."""
-    grads, model, _, _ = _lightning_step(make_cfg, "data.batch_size=32", accumulate_grad_batches=2)
+    """model.accumulate_grad_batches=2 of 32 == one batch of 64: the step's loss / k acts on the vector
+    before its weighted backward."""
+    grads, model, _, _ = _lightning_step(make_cfg, "data.batch_size=32", "model.accumulate_grad_batches=2")
     batch = testing.first_batch(testing.build(make_cfg(*QUICK, f"data.batch_size={BATCH}"))[0])
     summed, _ = _references(model, batch, [t.weight for t in model.tasks.values()])
     assert_gradients_close(grads, summed, atol=1e-6)
 
 
 def _seed_graph():
-    """The seed's grad_tensors example: y0 = (x+w)(w+1), y1 = (x+w)+(w+1) at w=1, x=2."""
+    """The textbook grad_tensors example: y0 = (x+w)(w+1), y1 = (x+w)+(w+1) at w=1, x=2."""
     w = torch.tensor([1.0], requires_grad=True)
     x = torch.tensor([2.0], requires_grad=True)
     a, b = torch.add(w, x), torch.add(w, 1)
@@ -227,21 +228,31 @@ def test_logs_every_task_and_learns(make_cfg, tmp_path):
     assert any(col.startswith("lr") for col in header)
     assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
     assert (tmp_path / "task_metrics.png").stat().st_size > 10_000
-    # The plot's history travels in the checkpoint (two validations per epoch), so a resumed run continues it.
-    history = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["task_metrics_history"]
-    assert len(history) == 8
-    assert history[-1]["digit acc"] == pytest.approx(metrics["val/acc/digit"])
+    # The plot draws what metrics.csv holds (two validations per epoch); no copy in the module or checkpoint.
+    _, digit_acc = _plotted(tmp_path)["val/acc/digit"]
+    assert len(digit_acc) == 8
+    assert digit_acc[-1] == pytest.approx(metrics["val/acc/digit"])
+    assert "task_metrics_history" not in torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
 
 
 def test_resume_mid_epoch_continues_exactly(make_cfg, tmp_path):
     """ckpt_path= with a non-default task weight: the checkpoint loads (weights_only), training continues
-    on exactly the same weights as a straight run, and task_metrics.png's history carries on."""
+    on exactly the same weights as a straight run, and task_metrics.png's curves carry on."""
     small = ("recipe=weighted", "model.tasks.parity.weight=0.5", "model.net.width=32", "~callbacks.loss_curves")
     runs = straight_and_resumed(make_cfg, tmp_path, small, stop="trainer.max_steps=15", end="trainer.max_steps=30")
     straight, _, resumed = (torch.load(run / "checkpoints/last.ckpt", weights_only=True) for run in runs)
     assert resumed["hyper_parameters"]["tasks"]["parity"]["weight"] == 0.5
     for k, v in straight["state_dict"].items():
         assert torch.equal(resumed["state_dict"][k], v), k
-    # Validation after the 11th and 22nd steps: steps 10 and 21, as metrics.csv writes them.
-    assert [h["step"] for h in resumed["task_metrics_history"]] == [10.0, 21.0]
-    assert resumed["task_metrics_history"] == straight["task_metrics_history"]
+    # Validation after the 11th and 22nd steps: steps 10 and 21, as metrics.csv writes them; the resumed
+    # run's metrics.csv (what its task_metrics.png draws) holds the first run's validation too.
+    plotted = {name: _plotted(run) for name, run in zip(("straight", "first", "resumed"), runs)}
+    assert plotted["resumed"]["val/acc/digit"][0] == [10.0, 21.0]
+    assert plotted["resumed"] == plotted["straight"]
+    assert (runs[2] / "task_metrics.png").is_file()
+
+
+def _plotted(run) -> dict[str, tuple[list[float], list[float]]]:
+    """The curves task_metrics.png draws for a run: its metrics.csv's validation metric columns."""
+    columns = ("val/acc/digit", "val/acc/parity", "val/mae/ink")
+    return {name: curve for name, curve in curves_in(next(run.rglob("metrics.csv"))).items() if name in columns}

@@ -2,20 +2,26 @@
 
 from multiloss.callbacks.checkpoint import Checkpoint
 from multiloss.callbacks.conflicts import ConflictMonitor
+from multiloss.callbacks.json_record import JsonRecord
 from multiloss.callbacks.leaks import GraphLeakDetector
 from multiloss.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
-from multiloss.callbacks.plots import LossCurves, read_metrics
+from multiloss.callbacks.plots import LoggedCurvesPlot, LossCurves, read_metrics
 from multiloss.callbacks.progress import ProgressBar
 from multiloss.callbacks.rng import RngState
+from multiloss.callbacks.samples import GeneratedSamplesPlot, TextSamples
 
 __all__ = [
     "Checkpoint",
     "ConflictMonitor",
+    "GeneratedSamplesPlot",
     "GraphLeakDetector",
+    "JsonRecord",
+    "LoggedCurvesPlot",
     "LossCurves",
     "NonFiniteError",
     "NonFiniteGuard",
     "ProgressBar",
     "RngState",
+    "TextSamples",
     "read_metrics",
 ]

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from multiloss.callbacks.plots import curves_figure, logged_curves
+from multiloss.module import Recipe
 from multiloss.task_gradients import pairwise_cosines, task_gradients
 
 
@@ -32,14 +33,14 @@ class ConflictMonitor(L.Callback):
         self.negative: dict[str, torch.Tensor] = {}
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        losses = getattr(pl_module, "task_losses", None)
+        losses = pl_module.task_losses if isinstance(pl_module, Recipe) else None
         if not losses or len(losses) < 2 or not trainer._logger_connector.should_update_logs:
             return
         if not trainer.is_global_zero:
             return
         params = [p for name, p in pl_module.named_parameters() if not name.startswith("balancer.")]
         # The layers a gradient-level balancer was told are shared (its `shared` key), else the found ones.
-        shared = getattr(getattr(pl_module, "balancer", None), "shared_parameters", None)
+        shared = pl_module.shared_parameters
         grads = task_gradients(list(losses.values()), params, shared)
         if not grads.shared:
             return

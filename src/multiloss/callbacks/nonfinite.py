@@ -6,10 +6,12 @@ the step. ``nonfinite`` (a top-level key) chooses what happens:
 
 - ``stop`` (default): the run stops with one message naming the first non-finite loss component (or
   gradient) and its optimizer step, and the last good checkpoint. No step is decided on the host:
-  each step folds "first bad step" into small tensors on the device, read every
-  ``trainer.log_every_n_steps`` steps (when Lightning's logging reads the losses anyway), before
-  every checkpoint save and at the end — so the run costs no extra host sync per step, stops at the
-  next read, and no checkpoint with non-finite weights is ever written.
+  every training loss is already kept step by step on the device by the recipe's `TrainingLog`
+  (which also writes the log rows), and each optimizer step's gradient norm goes into a row of its
+  own here (one kernel); both are read every ``trainer.log_every_n_steps`` batches (when Lightning's
+  logging reads the losses anyway), before every checkpoint save and at the end — so the run costs
+  no extra host sync per step, stops at the next read, and no checkpoint with non-finite weights is
+  ever written.
 - ``skip``: a step whose gradients (or this step's losses) are not finite is not taken: its
   gradients are dropped before ``optimizer.step`` (torch's optimizers then leave those parameters
   and their state alone) and the skips are counted (``nonfinite/skipped`` in the logs). This reads
@@ -25,6 +27,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from multiloss.module import Recipe
+from multiloss.training_log import StepRows
+
 Mode = Literal["stop", "skip", "off"]
 
 
@@ -33,41 +38,14 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard(L.Callback):
-    """Watches every training loss component (``Recipe.log_losses``) and every gradient before its optimizer step."""
+    """Judges every training loss component (the recipe's ``training_log``) and every gradient before its step."""
 
     def __init__(self, mode: Mode = "stop") -> None:
         if mode not in ("stop", "skip", "off"):
             raise ValueError(f"nonfinite must be stop, skip or off, not {mode!r}")
         self.mode = mode
-        # names -> the first optimizer step each was non-finite (-1: never), one vector per group of names
-        self.first_bad: dict[tuple[str, ...], torch.Tensor] = {}
+        self.gradient_norms: dict[int, StepRows] = {}  # optimizer index -> one row per step: its gradient norm
         self.skipped = 0
-        self._pending_losses: list[torch.Tensor] = []  # this step's loss components (skip mode)
-
-    # --- what the module reports -----------------------------------------------------------------
-
-    def record(self, names: tuple[str, ...], values: torch.Tensor, step: int) -> None:
-        """One training step's loss components (``values[i]`` is ``names[i]``), on their device, without a sync.
-
-        Called by `Recipe.log_losses` / `Recipe.report_losses`.
-        """
-        if self.mode == "off":
-            return
-        self._fold(tuple(f"loss/{n}" for n in names), values, step)
-        if self.mode == "skip":
-            self._pending_losses.append(values)
-
-    def _fold(self, names: tuple[str, ...], values: torch.Tensor, step: int) -> None:
-        """Note ``step`` as the first non-finite step of each entry of ``values`` not already marked: 3 kernels."""
-        first = self.first_bad.get(names)
-        if first is None:
-            first = self.first_bad[names] = torch.full(values.shape, -1, dtype=torch.long, device=values.device)
-        first.masked_fill_(torch.isfinite(values).logical_or_(first >= 0).logical_not_(), step)
-
-    # --- hooks -----------------------------------------------------------------------------------
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        pl_module._nonfinite_guard = self  # Recipe.log_losses reports here
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.mode == "off":
@@ -78,47 +56,54 @@ class NonFiniteGuard(L.Callback):
         # The 2-norm: one fused kernel per device (the ∞-norm is 4× slower on a CPU). NaN and inf
         # propagate into it; a finite norm past float32's range (≥ 1.8e19) also reads as inf, where
         # Adam's squared gradient overflows too.
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        index = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
-        self._fold((f"gradient of optimizer {index}",), total.reshape(1), trainer.global_step)
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).reshape(1)
         if self.mode == "skip":
-            checks = [total.reshape(1), *(v.reshape(-1) for v in self._pending_losses)]
-            self._pending_losses.clear()
-            if not bool(torch.isfinite(torch.cat([c.float() for c in checks])).all()):  # the per-step host read
+            losses = pl_module.training_log.take_unjudged() if isinstance(pl_module, Recipe) else []
+            checks = torch.cat([total.float(), *(v.reshape(-1).float() for v in losses)])
+            if not bool(torch.isfinite(checks).all()):  # the per-step host read
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         p.grad = None  # torch's optimizers skip a parameter without a gradient, state and all
                 self.skipped += 1
                 pl_module.log("nonfinite/skipped", float(self.skipped), on_step=True, on_epoch=False)
+            return
+        index = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
+        rows = self.gradient_norms.get(index)
+        if rows is None:
+            rows = self.gradient_norms[index] = StepRows(1, total.device)
+        rows.append(total, trainer.global_step)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.mode == "stop" and (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
-            self.check(trainer)
+            self.check(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if self.mode == "stop":
-            self.check(trainer)  # before a single byte of a non-finite model is written
+            self.check(trainer, pl_module)  # before a single byte of a non-finite model is written
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.mode == "stop":
-            self.check(trainer)
+            self.check(trainer, pl_module)
 
     # --- the verdict -----------------------------------------------------------------------------
 
-    def check(self, trainer: L.Trainer) -> None:
-        """Raise `NonFiniteError` if anything was non-finite since the run began (one host read)."""
-        if not self.first_bad:
-            return
-        names = [name for group in self.first_bad for name in group]
-        steps = torch.cat([first.cpu() for first in self.first_bad.values()]).tolist()
-        # Earliest step first; at one step the loss components before the gradients they caused.
-        found = sorted((s, n.startswith("gradient"), n) for s, n in zip(steps, names) if s >= 0)
+    def check(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Raise `NonFiniteError` if anything was non-finite since the run began (host reads)."""
+        found: list[tuple[int, bool, str]] = []
+        if isinstance(pl_module, Recipe) and (losses := pl_module.training_log.first_nonfinite()) is not None:
+            step, names = losses
+            found += [(step, False, name) for name in names]
+        for index, rows in self.gradient_norms.items():
+            if (step := rows.settle()) is not None:
+                found.append((step, True, f"gradient of optimizer {index}"))
         if not found:
             return
+        # Earliest step first; at one step the loss components before the gradients they caused.
+        found.sort()
         step = found[0][0]
-        first = [n for s, _, n in found if s == step]
+        first = [name for s, _, name in found if s == step]
         last_good = _last_checkpoint(trainer)
         raise NonFiniteError(
             f"{' and '.join(first)} became NaN/inf at global step {step}; training stopped "

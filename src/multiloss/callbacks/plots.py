@@ -16,11 +16,20 @@ from multiloss.history import csv_logger, read_rows
 
 
 def logged_curves(trainer: L.Trainer, prefix: str) -> dict[str, tuple[list[float], list[float]]]:
-    """Every metrics.csv column whose name starts with ``prefix``: name -> (steps, values)."""
+    """Every column of the run's metrics.csv whose name starts with ``prefix``: name -> (steps, values)."""
+    return curves_of(read_metrics(trainer), prefix)
+
+
+def curves_in(path: str | Path, prefix: str = "") -> dict[str, tuple[list[float], list[float]]]:
+    """Every column of the metrics.csv at ``path`` whose name starts with ``prefix``: name -> (steps, values)."""
+    return curves_of(read_rows(path), prefix)
+
+
+def curves_of(rows: list[dict[str, str]], prefix: str) -> dict[str, tuple[list[float], list[float]]]:
     curves: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for row in read_metrics(trainer):
+    for row in rows:
         for name, value in row.items():
-            if name.startswith(prefix) and value not in ("", None):
+            if name != "step" and name.startswith(prefix) and value not in ("", None):
                 curves[name][0].append(float(row["step"]))
                 curves[name][1].append(float(value))
     return dict(curves)
@@ -62,6 +71,54 @@ class LossCurves(L.Callback):
             ax.set_ylabel("loss")
             ax.set_title(f"{type(pl_module).__name__}: loss components")
             ax.grid(alpha=0.3)
+
+
+class LoggedCurvesPlot(L.Callback):
+    """Plots logged ``columns`` over the steps, one panel each, to ``<run dir>/<filename>`` at every epoch end
+    and when training ends (a run stopped by ``max_steps`` mid-epoch never reaches an epoch end).
+
+    Reads the run's ``metrics.csv`` — a resumed run's holds the earlier rows too, so the curves go on —
+    rather than a copy of the metrics kept in the module or its checkpoints. ``plotted`` holds the
+    curves last drawn (column -> (steps, values)).
+    """
+
+    def __init__(self, filename: str, columns: list[str], title: str = "") -> None:
+        self.filename, self.columns, self.title = filename, list(columns), title
+        self.plotted: dict[str, tuple[list[float], list[float]]] = {}
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.draw(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.draw(trainer)
+
+    @rank_zero_only
+    def draw(self, trainer: L.Trainer) -> None:
+        curves = {name: curve for name, curve in logged_curves(trainer, "").items() if name in self.columns}
+        if not curves:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [c for c in self.columns if c in curves]
+        fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
+        try:
+            for ax, name in zip(axes[0], names):
+                steps, values = curves[name]
+                ax.plot(steps, values, marker="o", markersize=3)
+                ax.set_title(f"{name}: {values[-1]:.4g}", fontsize=9)
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+            fig.suptitle(self.title)
+            fig.tight_layout()
+            path = Path(trainer.default_root_dir) / self.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=100)
+        finally:
+            plt.close(fig)
+        self.plotted = curves
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # Config groups whose options belong under the recipe's node (`# @package model.<group>`).
-COMPONENT_GROUPS = ("net", "generator", "discriminator", "tasks", "optimizer", "balancer")
+COMPONENT_GROUPS = ("net", "generator", "discriminator", "tasks", "optimizer", "balancer", "scheduler")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class TrainSchema:
     tasks: Any = None
     optimizer: Any = None
     balancer: Any = None
+    scheduler: Any = None
 
 
 def register() -> None:

@@ -1,0 +1,102 @@
+"""Everything a run is built from, from a composed config: the data module, the recipe module, the Trainer.
+
+`multiloss.train` and `multiloss.evaluate` both build through here, and so does `multiloss.testing`:
+what a proof builds is what ``python train.py`` trains. A component's own rejection while being built
+becomes a `ConfigError` under its dotted key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning as L
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import LearningRateMonitor
+from omegaconf import DictConfig, OmegaConf
+
+from multiloss.checkpoints import AtomicCheckpointIO
+from multiloss.config import ConfigError
+from multiloss.distributed import multiloss_ddp
+from multiloss.module import Recipe
+
+
+def build_trainer(
+    cfg: DictConfig, callbacks: list[L.Callback], leave_out: tuple[type[L.Callback], ...] = ()
+) -> L.Trainer:
+    """The Trainer of ``cfg.trainer`` with the config's callbacks (but those of a ``leave_out`` type) and loggers."""
+    configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
+    callbacks = [c for c in configured if not isinstance(c, leave_out)] + callbacks
+    loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
+    if not loggers:  # logger=none: the LR monitor has nowhere to write (Lightning would stop the run)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
+    plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
+    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
+    # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
+    # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
+    if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
+        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
+    return trainer
+
+
+def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """The data module and the recipe module of a composed config, as `train` builds them (seeded by ``seed``).
+
+    A recipe may take arguments from the data module (tbptt: the data's vocabulary) through a
+    ``from_data(datamodule)`` classmethod, as LightningCLI's ``link_arguments`` does; a value set in
+    the config itself wins.
+    """
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = _build("data", cfg.data)
+    with _config_errors("model", cfg.model):
+        recipe = get_object(cfg.model._target_)
+    links = recipe.from_data(datamodule) if isinstance(recipe, type) and issubclass(recipe, Recipe) else {}
+    links = {k: v for k, v in links.items() if cfg.model.get(k) is None}
+    if not links:
+        return datamodule, _build("model", cfg.model)
+    # Called, not merged into the config: a value from the data is data, never an interpolation.
+    with _config_errors("model", cfg.model):
+        return datamodule, instantiate(cfg.model, _partial_=True)(**links)
+
+
+def _build(path: str, node: DictConfig, **kwargs: Any) -> Any:
+    with _config_errors(path, node):
+        return instantiate(node, **kwargs)
+
+
+@contextmanager
+def _config_errors(path: str, node: DictConfig) -> Iterator[None]:
+    """Turn what a component rejects while being built into a `ConfigError` under ``path``."""
+    try:
+        yield
+    except (ConfigError, InstantiationException, MisconfigurationException, ImportError) as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
+        if isinstance(cause, ConfigError):
+            raise cause.under(path) from None
+        if isinstance(cause, ImportError):  # e.g. logger=wandb without the wandb package
+            raise ConfigError(
+                path,
+                node.get("_target_", OmegaConf.to_container(node)),
+                "its Python package installed (the config file's comment names the multiloss extra)",
+                f"cannot be built: {cause}",
+            ) from None
+        if isinstance(cause, MisconfigurationException) or (path == "trainer" and isinstance(cause, ValueError)):
+            raise lightning_said(path, node, cause) from None
+        raise
+
+
+def lightning_said(path: str, node: DictConfig, err: Exception) -> ConfigError:
+    """Lightning's own check failed: name the key its message is about, and pass its words on."""
+    text = str(err)
+    keys = [str(k) for k in node if not str(k).startswith("_") and str(k) in text]
+    key = min(keys, key=lambda k: (text.find(k), -len(k))) if keys else None  # the first named, most specific
+    return ConfigError(
+        f"{path}.{key}" if key else path,
+        node[key] if key else OmegaConf.to_container(node),
+        text,
+        "rejected by Lightning",
+    )

@@ -1,0 +1,94 @@
+"""The run's record: its config copies, and what every checkpoint keeps about the run that wrote it.
+
+`RunRecord` claims the run dir, writes the ``.hydra/`` copies and logs the config when training
+starts; into every checkpoint it writes the overrides, the config dirs, the data split and the
+metrics.csv of the run (`multiloss-eval` rebuilds the recipe from them, a resumed run continues the
+metrics file). The checkpoint keys live here, with the one callback that writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from multiloss.console import print_config_tree, save_run_config
+from multiloss.history import HISTORY_KEY, continue_history, history_entry
+from multiloss.module import Recipe
+from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
+
+log = logging.getLogger("multiloss")
+
+# Where a checkpoint keeps the overrides of the run that wrote it, the config dirs it added
+# (--config-dir), and its data split.
+OVERRIDES_KEY = "multiloss_overrides"
+CONFIG_DIRS_KEY = "multiloss_config_dirs"
+SPLIT_KEY = "multiloss_data_split"
+SPLIT_KEYS = ("val_fraction", "test_fraction", "split_seed")
+
+
+class RunRecord(L.Callback):
+    """Claims the run dir, writes the run's ``.hydra/`` config copies, prints the config tree and logs it.
+
+    At the start of training, not before: ``fit`` first runs the recipe's component check on a batch
+    of the data (at setup), restores ``ckpt_path`` and checks the Trainer's values against the data
+    (``val_check_interval``); a run rejected there must leave an earlier run's files untouched, and
+    its message must be about the mistake, not about the dir. Rank zero claims
+    the dir (`multiloss.run_dir`: no other run's checkpoints unless resuming or ``overwrite``, a
+    lock while training); ranks started for this run share it.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        # Stored in every checkpoint: `multiloss-eval ckpt_path=...` rebuilds the same recipe from them.
+        self.overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
+        self.config_dirs = [s.path for s in sources if s.schema == "file" and s.provider != "main"]
+        self.lock: Path | None = None
+        self.started = False  # training began: errors from here on are not about the config
+        self.resumed_history: dict[str, Any] | None = None  # the metrics.csv a resumed checkpoint's run wrote
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = True
+        if trainer.global_rank == 0:
+            out = self.cfg.paths.output_dir
+            check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
+            self.lock = acquire_lock(out)
+        save_run_config(self.cfg, self.cfg.paths.output_dir)
+        continue_history(trainer, self.resumed_history)  # a resumed run's metrics.csv starts with the earlier rows
+        # Through Python's logging: under Hydra, also the first line of this rank's <run dir>/train.log
+        # (opened only now, so a run rejected earlier leaves no log behind).
+        log.info(
+            "training %s on rank %d of %d into %s",
+            type(pl_module).__name__,
+            trainer.global_rank,
+            trainer.world_size,
+            self.cfg.paths.output_dir,
+        )
+        if self.cfg.get("print_config", True):
+            print_config_tree(self.cfg)
+        for lg in trainer.loggers:
+            lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[OVERRIDES_KEY] = self.overrides
+        last_step = (
+            pl_module.step_index if isinstance(pl_module, Recipe) else trainer.fit_loop.epoch_loop._batches_that_stepped
+        )
+        checkpoint[HISTORY_KEY] = history_entry(trainer, last_step)
+        checkpoint[CONFIG_DIRS_KEY] = self.config_dirs
+        checkpoint[SPLIT_KEY] = {k: self.cfg.data[k] for k in SPLIT_KEYS if k in self.cfg.data}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.resumed_history = checkpoint.get(HISTORY_KEY)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        release_lock(self.lock)
+        self.lock = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
