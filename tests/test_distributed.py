@@ -121,7 +121,7 @@ def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path):
         "optimizer@model.g_optimizer=sgd",
         "model.d_optimizer.lr=0.05",
         "model.g_optimizer.lr=0.05",
-        "model.lr_schedule=constant",
+        "scheduler=constant",
         "trainer.max_steps=6",
         "trainer.limit_val_batches=0",
         "trainer.num_sanity_val_steps=0",

@@ -1,0 +1,125 @@
+"""The step options every recipe shares: ``model.accumulate_grad_batches``, ``model.gradient_clip_val``, ``scheduler``.
+
+Every recipe runs under manual optimization, its whole step in ``training_step``; Lightning's
+``trainer.accumulate_grad_batches`` and ``trainer.gradient_clip_val`` cannot act there and are refused
+with the model key named. Clipping under a GradScaler (16-mixed) sees the true gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from multiloss import testing, train
+from multiloss.config import ConfigError
+from tests.conftest import BARE, SMALL_GAN
+
+RECIPES = {
+    "multihead": (),
+    "weighted": (),
+    "gan": (*SMALL_GAN, "model.n_plot_samples=0"),
+    "tbptt": ("model.net.hidden_size=16", "data.seq_len=32", "model.sample_length=5"),
+    "accumulation": (),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize(
+    ("override", "key", "named"),
+    [
+        ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches", "model.accumulate_grad_batches=2"),
+        ("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_val", "model.gradient_clip_val=0.5"),
+    ],
+    ids=["accumulate", "clip"],
+)
+def test_lightnings_own_keys_are_refused_naming_the_model_key(make_cfg, tmp_path, recipe, override, key, named):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(f"recipe={recipe}", *RECIPES[recipe], override, output_dir=tmp_path))
+    assert err.value.key == key
+    assert named in err.value.message
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.accumulate_grad_batches=0", "model.accumulate_grad_batches"),
+        ("model.gradient_clip_val=-1", "model.gradient_clip_val"),
+        ("model.gradient_clip_algorithm=l1", "model.gradient_clip_algorithm"),
+    ],
+)
+def test_bad_step_options_name_their_key(make_cfg, tmp_path, recipe, override, key):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(f"recipe={recipe}", *RECIPES[recipe], override, output_dir=tmp_path))
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "accumulation"])
+def test_clipping_bounds_every_step_of_every_recipe(make_cfg, recipe):
+    """One SGD step of lr 1 with model.gradient_clip_val=1e-3: no network moves by more than 1e-3."""
+    sgd = ("optimizer@model.g_optimizer=sgd", "optimizer@model.d_optimizer=sgd") if recipe == "gan" else ("optimizer=sgd",)
+    lr = ("model.g_optimizer.lr=1.0", "model.d_optimizer.lr=1.0") if recipe == "gan" else ("model.optimizer.lr=1.0",)
+    cfg = make_cfg(
+        f"recipe={recipe}",
+        *RECIPES[recipe],
+        *BARE,
+        *sgd,
+        *lr,
+        "model.gradient_clip_val=1e-3",
+        "model.accumulate_grad_batches=1",
+        "scheduler=constant",
+    )
+    if recipe == "accumulation":
+        cfg.model.lr_scaling = "none"
+    datamodule, model = testing.build(cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    testing.bare_trainer(max_steps=1).fit(model, datamodule=datamodule)
+    moved = torch.linalg.vector_norm(torch.stack([(p - before[n]).norm() for n, p in model.named_parameters()])).item()
+    assert 0 < moved <= 1e-3 * (1 + 1e-4), moved
+
+
+def test_16_mixed_clipping_sees_the_true_gradients(make_cfg):
+    """Under a GradScaler the backward's gradients are multiplied by the loss scale; the step unscales them
+    before clipping (Lightning's own manual optimization clips the scaled ones: issue #18089), and its
+    optimizer step does not unscale them a second time. One SGD step of lr 1 then moves the weights by
+    exactly the clip norm, as in fp32 — not by clip / scale."""
+    cfg = make_cfg(
+        "recipe=multihead", *BARE, "optimizer=sgd", "model.optimizer.lr=1.0", "model.gradient_clip_val=1e-3"
+    )
+    datamodule, model = testing.build(cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer = testing.bare_trainer(max_steps=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    trainer.fit(model, datamodule=datamodule)
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**10  # the step was taken, not skipped for an inf
+    moved = torch.linalg.vector_norm(torch.stack([(p - b).norm() for p, b in zip(model.parameters(), before)])).item()
+    assert moved == pytest.approx(1e-3, rel=1e-3), moved
+
+
+def test_the_logging_step_counts_optimizer_steps_under_accumulation(make_cfg, tmp_path):
+    """Lightning is told the recipe's k, so its logging step, its log rows and estimated_stepping_batches
+    count optimizer steps as the recipe takes them (and a Trainer fitted again starts from 1 again)."""
+    cfg = make_cfg(
+        "recipe=accumulation",
+        *BARE,
+        "logger=csv",
+        "data.batch_size=16",
+        "model.accumulate_grad_batches=4",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=2",
+        output_dir=tmp_path,
+    )
+    train(cfg)
+    import csv
+
+    rows = [r for r in csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()) if r.get("loss/total")]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]  # a row every 2 optimizer steps of 4 micro-batches
+    datamodule, model = testing.build(cfg)
+    trainer = testing.bare_trainer(max_steps=2)
+    trainer.fit(model, datamodule=datamodule)
+    assert trainer.global_step == 2 and trainer.accumulate_grad_batches == 1
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    trainer.fit(model, datamodule=datamodule)  # the same Trainer again: Lightning's check passes
+    assert trainer.global_step == 3
