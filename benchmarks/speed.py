@@ -1,31 +1,38 @@
-"""multiloss against the hand-written loop it replaces: time per batch, peak memory, same weights after.
+"""multiloss against the hand-written loop it replaces: time per optimizer step, CPU and wall, same weights after.
 
     python benchmarks/speed.py                           # CPU, 1 thread, every recipe, fp32
     python benchmarks/speed.py --device cuda --precision bf16-mixed
-    python benchmarks/speed.py --recipes gan tbptt --rounds 7 --batches 300
-    python benchmarks/speed.py --compile                 # model.compile=true against the eager loop
+    python benchmarks/speed.py --recipes gan tbptt --rounds 7
+    python benchmarks/speed.py --size realistic          # wider networks (the per-step cost is then compute)
+    python benchmarks/speed.py --modes off compiled      # model.compile=true against the eager loop
 
-Per recipe, one process runs, interleaved over ``--rounds`` rounds:
+Per recipe, one process runs, interleaved over ``--rounds`` rounds, in an order that rotates from
+round to round (so no kind always runs first, or right after the same other kind):
 
-- **plain**: the hand-written loop in plain PyTorch (a `PlainStep` per recipe, below) on the same network
-  object, initial weights, data loader (so the same order) and optimizer the recipe builds;
-- **lightning**: the same plain step, verbatim, as the manual step of a bare LightningModule under a
-  bare Trainer: what Lightning's own loop costs, the floor under every recipe;
+- **plain**: the hand-written loop in plain PyTorch (a `PlainStep` per recipe, below) on the same
+  network object, initial weights, data loader (so the same order) and optimizer the recipe builds;
+- **lightning**: the same plain step, verbatim, as the training step of a bare manual-optimization
+  LightningModule whose optimizers Lightning never sees (raw ``loss.backward()``, ``opt.step()``):
+  Lightning's batch loop and hooks alone;
+- **manual**: the same plain step written with Lightning's manual-optimization API — its optimizers
+  returned by ``configure_optimizers``, ``self.manual_backward(loss)``, ``opt.step()`` and
+  ``opt.zero_grad()`` on Lightning's optimizer wrappers: what any manual LightningModule pays, the
+  floor under every recipe (each recipe runs under manual optimization);
 - **off**: ``multiloss.train(cfg)`` with ``logger=none callbacks=none``, no progress bar, model
   summary or checkpointing (what multiloss always adds stays: RNG states, run record, non-finite
-  guard, leak check);
+  guard, leak check, the training log);
 - **defaults**: ``multiloss.train(cfg)`` with the shipped logger and callbacks;
-- **compiled** (``--modes ... compiled``): *off* with ``model.compile=true`` (``--compile`` instead
-  compiles every kind, the plain nets too).
+- **compiled** (``--modes ... compiled``): *off* with ``model.compile=true``.
 
-Validation is off in all (``trainer.limit_val_batches=0``): this measures training. Each run notes
-the time at the end of every batch (a batch is one ``training_step``: a micro-batch under
-accumulation, a whole sequence of chunks in tbptt) from batch ``--warmup`` on, for ``--batches``
-batches. "ms" is the median batch of a run (robust to a noisy machine), "all batches" the mean,
-log rows and epoch ends (loader restarts, epoch-end hooks) included; both are medians over the
-rounds, and ratios are to the plain loop's. Peak memory is ``torch.cuda.max_memory_allocated`` on
-CUDA, the largest resident set size seen at a batch end on CPU. ``max abs Δw`` compares every
-weight after the last timed batch with the plain loop's: 0 means the same arithmetic, bit for bit.
+Validation is off in all (``trainer.limit_val_batches=0``): this measures training. Each run is timed
+over a window of ``--batches`` training batches after ``--warmup`` (a batch is one ``training_step``:
+a micro-batch under accumulation, a whole sequence of chunks in tbptt), log rows and epoch ends
+included, and the window's time is divided by the optimizer steps taken in it (a GAN batch makes
+1 + 1/n_critic of them, a tbptt batch one per chunk, an accumulation micro-batch 1/k): **ms per
+optimizer step**, as CPU time of the process (``time.process_time``: what the step cost, whatever
+else the machine did) and wall time. Cells are medians over the rounds; ratios are to the plain loop,
+and for multiloss also to the manual floor. ``max abs Δw`` compares every weight after the window
+with the plain loop's: 0 means the same arithmetic, bit for bit.
 
 A benchmark, not a test: timings move with the machine's load; read the ratios, rerun to compare.
 """
@@ -63,12 +70,23 @@ from multiloss.training import train  # noqa: E402
 
 RECIPES = ("multihead", "weighted", "gan", "tbptt", "accumulation")
 # Batches timed per run (after the warm-up): a few epochs of digits, a fraction of the GAN's and tbptt's.
-BATCHES = {"multihead": 200, "weighted": 200, "gan": 200, "tbptt": 40, "accumulation": 200}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+BATCHES = {"multihead": 200, "weighted": 200, "gan": 200, "tbptt": 40, "accumulation": 400}
+# --size realistic: networks whose step is compute, not launches and Python.
+REALISTIC = {
+    "multihead": ("model.net.width=1024",),
+    "weighted": ("model.net.width=1024",),
+    "gan": ("model.generator.width=512", "model.discriminator.width=512"),
+    "tbptt": ("model.net.hidden_size=512",),
+    "accumulation": ("model.net.width=1024",),
+}
+KINDS = ("plain", "lightning", "manual", "off", "defaults", "compiled")
+LABELS = {
+    "lightning": "bare Lightning, raw optimizers",
+    "manual": "bare Lightning manual (floor)",
+    "off": "multiloss, off",
+    "defaults": "multiloss, defaults",
+    "compiled": "multiloss, off, compiled",
+}
 
 
 @dataclass
@@ -79,41 +97,36 @@ class Window:
     batches: int
     device: torch.device
     seen: int = 0
-    stamps: list[float] = field(default_factory=list)  # perf_counter at each batch end from batch `warmup` on
-    peak: int = 0
+    start: tuple[float, float] = (0.0, 0.0)  # (wall, cpu) at the window's start
+    end: tuple[float, float] = (0.0, 0.0)
+    steps_at_start: int = 0
+    steps: int = 0  # optimizer steps taken inside the window
     done: bool = False
 
-    def begin(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def batch_ended(self) -> bool:
-        """Count a batch; True when the window is complete (the loop should stop)."""
+    def batch_ended(self, steps_so_far: int) -> bool:
+        """Count a batch (``steps_so_far``: optimizer steps since the run began); True when the window is complete."""
         self.seen += 1
-        if self.device.type == "cpu":
-            self.peak = max(self.peak, rss_bytes())
-        if self.seen >= self.warmup:
-            if self.seen == self.warmup and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.stamps.append(time.perf_counter())
+        if self.seen == self.warmup:
+            self._sync()
+            self.start, self.steps_at_start = (time.perf_counter(), time.process_time()), steps_so_far
         if self.seen == self.warmup + self.batches:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                self.stamps[-1] = time.perf_counter()
-                self.peak = torch.cuda.max_memory_allocated(self.device)
+            self._sync()
+            self.end = (time.perf_counter(), time.process_time())
+            self.steps = steps_so_far - self.steps_at_start
             self.done = True
         return self.done
 
-    @property
-    def median_ms(self) -> float:
-        """The typical batch: robust to a noisy machine; leaves out the rare batch that ends an epoch."""
-        return 1e3 * statistics.median(b - a for a, b in itertools.pairwise(self.stamps))
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
-    def mean_ms(self) -> float:
-        """Everything, epoch ends (loader restarts, epoch-end hooks, checkpoints) included."""
-        return 1e3 * (self.stamps[-1] - self.stamps[0]) / self.batches
+    def wall_ms(self) -> float:
+        return 1e3 * (self.end[0] - self.start[0]) / max(self.steps, 1)
+
+    @property
+    def cpu_ms(self) -> float:
+        return 1e3 * (self.end[1] - self.start[1]) / max(self.steps, 1)
 
 
 class StepTimer(L.Callback):
@@ -128,23 +141,69 @@ class StepTimer(L.Callback):
         self.weights: dict[str, torch.Tensor] = {}
         StepTimer.current = self
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.window.begin()
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.window.batch_ended() and not self.weights:
+        if self.window.batch_ended(trainer.global_step) and not self.weights:
             self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             trainer.should_stop = True
 
 
-# --- the plain steps: the hand-written loop, one per recipe -------------------------------------------
+# --- the plain steps: the hand-written loop, one per recipe ---------------------------------------------
+
+
+class TorchCalls:
+    """The plain loop's backward, step and zeroing: torch's own calls."""
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        opt.step()
+
+    def zero_grad(self, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+
+
+class LightningCalls(TorchCalls):
+    """The same calls through Lightning's manual-optimization API: ``manual_backward`` and its optimizer wrappers."""
+
+    def __init__(self, module: L.LightningModule) -> None:
+        self.module = module
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.module.manual_backward(loss, **kwargs)
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        self._wrapper(opt).step()
+
+    def zero_grad(self, opt: torch.optim.Optimizer) -> None:
+        self._wrapper(opt).zero_grad()
+
+    def _wrapper(self, opt: torch.optim.Optimizer) -> Any:
+        optimizers = self.module.optimizers()
+        for wrapped in optimizers if isinstance(optimizers, list) else [optimizers]:
+            if wrapped.optimizer is opt:
+                return wrapped
+        raise LookupError(opt)
 
 
 class PlainStep:
-    """One recipe's training step in plain PyTorch: its optimizers are built here, from the recipe's config."""
+    """One recipe's training step in plain PyTorch: its optimizers are built here, from the recipe's config.
+
+    ``calls`` does the backward, the step and the zeroing (torch's, or Lightning's manual API);
+    ``steps`` counts the optimizer steps taken.
+    """
 
     def __init__(self, nets: dict[str, torch.nn.Module], cfg: Any, device: torch.device, autocast: Any) -> None:
         self.nets, self.cfg, self.device, self.autocast = nets, cfg, device, autocast
+        self.calls: TorchCalls = TorchCalls()
+        self.steps = 0
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.opt]
+
+    def stepped(self, opt: torch.optim.Optimizer) -> None:
+        self.calls.step(opt)
+        self.steps += 1
 
     def __call__(self, epoch: int, i: int, last: bool, batch: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
@@ -158,9 +217,9 @@ class MultiheadStep(PlainStep):
     def __call__(self, epoch, i, last, batch):
         with self.autocast():
             loss = sum(F.cross_entropy(logits, batch["y"]) for logits in self.nets["net"](batch["x"]))
-        self.opt.zero_grad()
-        loss.backward()  # one backward of the summed heads
-        self.opt.step()
+        self.calls.zero_grad(self.opt)
+        self.calls.backward(loss)  # one backward of the summed heads
+        self.stepped(self.opt)
 
 
 class WeightedStep(PlainStep):
@@ -175,9 +234,9 @@ class WeightedStep(PlainStep):
         with self.autocast():
             outputs = self.nets["net"](batch["x"])
             losses = torch.stack([self.loss_fns[n](outputs[n], batch[t.target]) for n, t in self.tasks.items()])
-        self.opt.zero_grad()
-        torch.autograd.backward(losses, grad_tensors=self.weights.to(losses.dtype))  # one grad_tensors backward
-        self.opt.step()
+        self.calls.zero_grad(self.opt)
+        self.calls.backward(losses, gradient=self.weights.to(losses.dtype))  # one grad_tensors backward
+        self.stepped(self.opt)
 
 
 class GanStep(PlainStep):
@@ -189,7 +248,9 @@ class GanStep(PlainStep):
         decay = functools.partial(lambda e, n: max(0.0, 1 - e / n), n=self.cfg.trainer.max_epochs)
         self.schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (self.opt_g, self.opt_d)]
         self.noise = torch.Generator(device=self.device).manual_seed(m.noise_seed)
-        self.epoch = 0
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.opt_g, self.opt_d]
 
     def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.randn(n, self.m.latent_dim + 1, generator=self.noise, device=self.device)
@@ -197,10 +258,6 @@ class GanStep(PlainStep):
 
     def __call__(self, epoch, i, last, batch):
         G, D, m = self.nets["generator"], self.nets["discriminator"], self.m
-        while self.epoch < epoch:  # the learning rates fall per epoch
-            for s in self.schedules:
-                s.step()
-            self.epoch += 1
         real = batch["x"]
         with self.autocast():
             z, eps = self.draw(len(real))
@@ -209,16 +266,19 @@ class GanStep(PlainStep):
             x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
             (grad,) = torch.autograd.grad(D(x_hat).sum(), x_hat, create_graph=True)
             loss_d = loss_d + m.gp_weight * ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
-        self.opt_d.zero_grad()
-        loss_d.backward()
-        self.opt_d.step()
+        self.calls.zero_grad(self.opt_d)
+        self.calls.backward(loss_d)
+        self.stepped(self.opt_d)
         if (i + 1) % m.n_critic == 0:
             with self.autocast():
                 z, _ = self.draw(len(real))
                 loss_g = -D(G(z)).mean()
-            self.opt_g.zero_grad()
-            loss_g.backward()
-            self.opt_g.step()
+            self.calls.zero_grad(self.opt_g)
+            self.calls.backward(loss_g)
+            self.stepped(self.opt_g)
+        if last:  # the learning rates fall per epoch
+            for s in self.schedules:
+                s.step()
 
 
 class TbpttStep(PlainStep):
@@ -233,10 +293,10 @@ class TbpttStep(PlainStep):
             with self.autocast():
                 logits, hidden = net(x, hidden)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            self.opt.zero_grad()
-            loss.backward()
+            self.calls.zero_grad(self.opt)
+            self.calls.backward(loss)
             torch.nn.utils.clip_grad_norm_(net.parameters(), m.gradient_clip_val)
-            self.opt.step()
+            self.stepped(self.opt)
             hidden = tuple(h.detach() for h in hidden)  # repackage_hidden
 
 
@@ -251,10 +311,10 @@ class AccumulationStep(PlainStep):
     def __call__(self, epoch, i, last, batch):
         with self.autocast():
             loss = F.cross_entropy(self.nets["net"](batch["x"]), batch["y"]) / self.k  # loss / k
-        loss.backward()
+        self.calls.backward(loss)
         if (i + 1) % self.k == 0 or last:
-            self.opt.step()
-            self.opt.zero_grad()
+            self.stepped(self.opt)
+            self.calls.zero_grad(self.opt)
 
 
 STEPS: dict[str, type[PlainStep]] = {
@@ -278,28 +338,30 @@ def batches(loader: Any, device: torch.device) -> Iterator[tuple[int, int, bool,
 
 
 class BareLightning(L.LightningModule):
-    """The plain step, verbatim, as a LightningModule's manual step: Lightning's own loop and nothing else.
+    """The plain step, verbatim, as a manual-optimization LightningModule's training step.
 
-    Its optimizers are the step's raw torch optimizers (Lightning never sees them): what is left is
-    what any LightningModule pays per batch, the floor under every recipe.
+    ``manual=False``: its optimizers are the step's raw torch optimizers (Lightning never sees them).
+    ``manual=True``: Lightning's manual-optimization API (`LightningCalls`): the floor under every recipe.
     """
 
-    def __init__(self, step: PlainStep, window: Window) -> None:
+    def __init__(self, step: PlainStep, window: Window, manual: bool) -> None:
         super().__init__()
-        self.step, self.window = step, window
+        self.step, self.window, self.manual = step, window, manual
         self.nets = torch.nn.ModuleDict(step.nets)
         self.automatic_optimization = False
+        if manual:
+            step.calls = LightningCalls(self)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         last = batch_idx + 1 == self.trainer.num_training_batches
         self.step(self.current_epoch, batch_idx, last, as_dict(batch))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.window.batch_ended():
+        if self.window.batch_ended(self.step.steps):
             self.trainer.should_stop = True
 
-    def configure_optimizers(self) -> None:
-        return None
+    def configure_optimizers(self) -> Any:
+        return self.step.optimizers() if self.manual else None
 
 
 # --- one run of each kind ------------------------------------------------------------------------
@@ -307,10 +369,17 @@ class BareLightning(L.LightningModule):
 
 @dataclass
 class Result:
-    ms: list[float] = field(default_factory=list)  # per run: the median batch
-    mean_ms: list[float] = field(default_factory=list)  # per run: all batches, epoch ends included
-    peak: list[int] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)  # per run: CPU ms per optimizer step
+    wall_ms: list[float] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpu_ms)
+
+    @property
+    def wall(self) -> float:
+        return statistics.median(self.wall_ms)
 
 
 def overrides(args: argparse.Namespace, recipe: str, mode: str) -> list[str]:
@@ -324,9 +393,10 @@ def overrides(args: argparse.Namespace, recipe: str, mode: str) -> list[str]:
         "trainer.num_sanity_val_steps=0",
         "print_config=false",
         "overwrite=true",
+        *(REALISTIC[recipe] if args.size == "realistic" else ()),
         *args.override,
     ]
-    if args.compile or mode == "compiled":
+    if mode == "compiled":
         common.append("model.compile=true")
     if mode in ("off", "compiled"):
         common += [
@@ -341,24 +411,21 @@ def overrides(args: argparse.Namespace, recipe: str, mode: str) -> list[str]:
 
 def run_recipe(args: argparse.Namespace, recipe: str, mode: str, out: Path) -> tuple[Window, dict]:
     cfg = compose(*overrides(args, recipe, mode), output_dir=out)
-    window = StepTimer.window = Window(args.warmup, args.batches or BATCHES[recipe], torch.device(args.device))
+    window = StepTimer.window = Window(args.warmup, batches_of(args, recipe), torch.device(args.device))
     # The progress bar draws as usual, into /dev/null: the table is this script's output.
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         train(cfg)
     return window, StepTimer.current.weights
 
 
-def run_plain(args: argparse.Namespace, recipe: str, out: Path, lightning: bool = False) -> tuple[Window, dict]:
-    """The plain step in a plain loop, or (``lightning``) in a bare LightningModule under a bare Trainer."""
+def run_plain(args: argparse.Namespace, recipe: str, kind: str, out: Path) -> tuple[Window, dict]:
+    """The plain step in a plain loop, or in a bare LightningModule (raw optimizers, or Lightning's manual API)."""
     cfg = compose(*overrides(args, recipe, "off"), output_dir=out)
     device = torch.device(args.device)
     datamodule, module = build_data_and_model(cfg)  # the same seed, so the same initial weights
     module.to(device)
     nets = {name: getattr(module, name) for name in NETS.get(recipe, ("net",))}
-    if args.compile:
-        for net in nets.values():
-            net.compile()
-    window = Window(args.warmup, args.batches or BATCHES[recipe], device)
+    window = Window(args.warmup, batches_of(args, recipe), device)
     if args.precision == "bf16-mixed":
         # As Lightning's bf16-mixed: no cast cache. With it, a weight used several times in a step (the
         # critic on real, fake and interpolated samples) sums its gradient in bf16 first: not the same numbers.
@@ -366,28 +433,21 @@ def run_plain(args: argparse.Namespace, recipe: str, out: Path, lightning: bool 
     else:
         autocast = contextlib.nullcontext
     step = STEPS[recipe](nets, cfg, device, autocast)
-    if lightning:
-        bare = BareLightning(step, window)
-        trainer = bare_trainer(
-            accelerator="gpu" if args.device == "cuda" else "cpu", max_epochs=-1, callbacks=[_WindowStart(window)]
-        )
-        trainer.fit(bare, datamodule=datamodule)
+    if kind in ("lightning", "manual"):
+        bare = BareLightning(step, window, manual=kind == "manual")
+        accelerator = "gpu" if args.device == "cuda" else "cpu"
+        bare_trainer(accelerator=accelerator, max_epochs=-1, max_steps=-1).fit(bare, datamodule=datamodule)
     else:
         datamodule.setup("fit")
-        window.begin()
         for epoch, i, last, batch in batches(datamodule.train_dataloader(), device):
             step(epoch, i, last, batch)
-            if window.batch_ended():
+            if window.batch_ended(step.steps):
                 break
     return window, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-class _WindowStart(L.Callback):
-    def __init__(self, window: Window) -> None:
-        self.window = window
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.window.begin()
+def batches_of(args: argparse.Namespace, recipe: str) -> int:
+    return args.batches or BATCHES[recipe]
 
 
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -406,57 +466,58 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10, help="batches before the timed window")
     parser.add_argument("--batches", type=int, default=0, help="timed batches per run (default: per recipe)")
+    parser.add_argument("--size", default="default", choices=("default", "realistic"))
     parser.add_argument(
         "--modes",
         nargs="+",
-        default=["lightning", "off", "defaults"],
-        choices=("lightning", "off", "defaults", "compiled"),
+        default=["lightning", "manual", "off", "defaults"],
+        choices=KINDS[1:],
         help="compiled: off with model.compile=true, against the eager plain loop",
     )
-    parser.add_argument("--compile", action="store_true", help="model.compile=true (and torch.compile the plain nets)")
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    import logging
     import warnings
 
     warnings.filterwarnings("ignore")
-    import logging
-
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
     print(machine(args))
     print()
     print(header(args.modes))
+    kinds = ("plain", *args.modes)
     with tempfile.TemporaryDirectory(prefix="multiloss-bench-") as tmp:
         for recipe in args.recipes:
-            results = {kind: Result() for kind in ("plain", *args.modes)}
+            results = {kind: Result() for kind in kinds}
             for r in range(args.rounds):
-                for kind in results:
+                for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # a rotating order
                     out = Path(tmp) / f"{recipe}-{kind}-{r}"
-                    if kind in ("plain", "lightning"):
-                        window, weights = run_plain(args, recipe, out, lightning=kind == "lightning")
+                    if kind in ("plain", "lightning", "manual"):
+                        window, weights = run_plain(args, recipe, kind, out)
                     else:
                         window, weights = run_recipe(args, recipe, kind, out)
-                    results[kind].ms.append(window.median_ms)
-                    results[kind].mean_ms.append(window.mean_ms)
-                    results[kind].peak.append(window.peak)
+                    results[kind].cpu_ms.append(window.cpu_ms)
+                    results[kind].wall_ms.append(window.wall_ms)
                     results[kind].weights = weights
-            print(row(recipe, results, args.modes), flush=True)
+            print(row(recipe, args, results), flush=True)
 
 
-def row(recipe: str, results: dict[str, Result], modes: list[str]) -> str:
-    """ms per batch (ratio to plain) per kind, the all-batches ratios, peak memory, the weights' difference."""
-    plain = statistics.median(results["plain"].ms)
-    plain_all = statistics.median(results["plain"].mean_ms)
-    cells = [recipe, f"{plain:.2f}"]
-    for kind in modes:
-        ms = statistics.median(results[kind].ms)
-        cells.append(f"{ms:.2f} (**{ms / plain:.2f}×**)")
-    cells.append(" / ".join(f"{statistics.median(results[k].mean_ms) / plain_all:.2f}×" for k in modes))
-    cells.append(" / ".join(f"{max(results[k].peak) / 2**20:.0f}" for k in results))
-    cells.append(" / ".join(f"{largest_difference(results[k].weights, results['plain'].weights):.0e}" for k in modes))
+def row(recipe: str, args: argparse.Namespace, results: dict[str, Result]) -> str:
+    """CPU ms per optimizer step (ratio to plain; multiloss's also to the manual floor), wall ratios, Δw."""
+    plain = results["plain"]
+    floor = results.get("manual")
+    cells = [recipe + (" (realistic)" if args.size == "realistic" else ""), f"{plain.cpu:.3f}"]
+    for kind in args.modes:
+        ratio = f"{results[kind].cpu:.3f} (**{results[kind].cpu / plain.cpu:.2f}×**"
+        if floor is not None and kind in ("off", "defaults", "compiled"):
+            ratio += f", {results[kind].cpu / floor.cpu:.2f}× floor"
+        cells.append(ratio + ")")
+    cells.append(f"{plain.wall:.3f}")
+    cells.append(" / ".join(f"{results[k].wall / plain.wall:.2f}×" for k in args.modes))
+    cells.append(" / ".join(f"{largest_difference(results[k].weights, plain.weights):.0e}" for k in args.modes))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -464,21 +525,13 @@ def header(modes: list[str]) -> str:
     kinds = " / ".join(modes)
     names = [
         "recipe",
-        "plain ms/batch",
-        *(f"{LABELS[k]} ms (ratio)" for k in modes),
-        f"ratio, all batches ({kinds})",
-        f"peak MiB (plain / {kinds})",
+        "plain CPU ms/step",
+        *(f"{LABELS[k]} CPU ms (ratio)" for k in modes),
+        "plain wall ms/step",
+        f"wall ratio ({kinds})",
         f"max abs Δw ({kinds})",
     ]
     return "| " + " | ".join(names) + " |\n|---|" + "---:|" * (len(names) - 1)
-
-
-LABELS = {
-    "lightning": "bare Lightning",
-    "off": "multiloss, off",
-    "defaults": "multiloss, defaults",
-    "compiled": "multiloss, off, compiled",
-}
 
 
 def machine(args: argparse.Namespace) -> str:
@@ -488,8 +541,8 @@ def machine(args: argparse.Namespace) -> str:
         where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch thread(s)"
     return (
         f"Machine: {where}; torch {torch.__version__}, lightning {L.__version__}, Python "
-        f"{platform.python_version()}; precision {args.precision}{', compiled' if args.compile else ''}; "
-        f"{args.rounds} rounds, median; {args.warmup} warm-up batches."
+        f"{platform.python_version()}; precision {args.precision}; size {args.size}; {args.rounds} rounds "
+        f"(rotating order), median; {args.warmup} warm-up batches; per optimizer step."
     )
 
 

@@ -200,7 +200,8 @@ class Accumulation(Recipe):
                 self.manual_backward(summed * (self.trainer.world_size / self.examples_in_step(batch_idx)))
             else:  # loss / k: k micro-batches of b sum to the gradient of the mean over k·b
                 loss = F.cross_entropy(logits, batch["y"])
-                self.manual_backward(loss / self.accumulate_grad_batches)
+                k = self.accumulate_grad_batches
+                self.manual_backward(loss if k == 1 else loss / k)
         self.log_losses({"total": loss}, batch_size=len(batch["y"]))
         if stepping:
             self.clip_gradients(opt)

@@ -314,7 +314,7 @@ class GAN(Recipe):
             z, eps = self.noise(len(real))
             fake = self.generator(z).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
-            self.manual_backward(d_losses["d"] / k)
+            self.manual_backward(d_losses["d"] if k == 1 else d_losses["d"] / k)
         self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
         if d_steps:
             self.clip_gradients(opt_d)
@@ -332,7 +332,7 @@ class GAN(Recipe):
                 with opt_g.toggle_model(sync_grad=micro == k - 1):
                     z, _ = self.noise(len(real))
                     g_loss = self.generator_loss(synced(self, "generator")(z))
-                    self.manual_backward(g_loss / k)
+                    self.manual_backward(g_loss if k == 1 else g_loss / k)
                 g_losses.append(g_loss.detach())
             self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
             self.clip_gradients(opt_g)

@@ -145,14 +145,14 @@ class MultiHead(Recipe):
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt = self.named_batch(batch), self.optimizers()
+        batch, opt, k = self.named_batch(batch), self.optimizers(), self.accumulate_grad_batches
         stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
         with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
             per_head = self.head_losses(batch)
             self.task_losses = per_head  # monitor=conflicts reads them at the backward
             total, loss = self.weighted_sum(per_head)
             # One backward: autograd sums the heads' contributions where they meet in the trunk.
-            self.manual_backward(loss / self.accumulate_grad_batches)
+            self.manual_backward(loss if k == 1 else loss / k)
         self.task_losses = None
         self.log_losses({**per_head, "total": total}, batch_size=len(batch["y"]))
         if stepping:
@@ -166,8 +166,10 @@ class MultiHead(Recipe):
     def weighted_sum(self, per_head: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's total (logged) and the loss its backward takes: the same, but for a gradient balancer."""
         if self.balancer is None:
-            weights = self.head_weights or [1.0] * len(per_head)
-            total = sum(w * loss for w, loss in zip(weights, per_head.values()))
+            if self.head_weights is None:  # equal weights: the plain sum
+                total = sum(per_head.values())
+            else:
+                total = sum(w * loss for w, loss in zip(self.head_weights, per_head.values()))
             return total, total
         self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
         losses = torch.stack(list(per_head.values()))

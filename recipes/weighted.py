@@ -207,13 +207,13 @@ class WeightedMultiTask(Recipe):
             weights = self.balancer.weights(losses.detach())
             extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
             if self.balancer.combines_gradients:  # PCGrad & co.: a scalar whose gradient is their combination
-                self.manual_backward(self.balancer.surrogate(list(per_task.values()), list(self.net.parameters())) / k)
+                loss = self.balancer.surrogate(list(per_task.values()), list(self.net.parameters()))
+                self.manual_backward(loss if k == 1 else loss / k)
             elif extra is None:  # one pass seeded with the weights: Σ wᵢ·∇lossᵢ, the graph walked once
-                self.manual_backward(losses / k, gradient=weights)
+                self.manual_backward(losses if k == 1 else losses / k, gradient=weights)
             else:
-                self.manual_backward(
-                    torch.cat([losses, extra.view(1)]) / k, gradient=torch.cat([weights, weights.new_ones(1)])
-                )
+                seeded = torch.cat([losses, extra.view(1)])
+                self.manual_backward(seeded / k, gradient=torch.cat([weights, weights.new_ones(1)]))
         self.task_losses = None
         total = (weights * losses.detach()).sum() + (0 if extra is None else extra.detach())
         self.log_losses({**per_task, "total": total}, batch_size=len(batch["x"]))

@@ -1,4 +1,4 @@
-"""``model.compile=true``: every recipe's step is the eager step's arithmetic, compiled (`Recipe.compile_in_place`).
+"""``model.compile=true``: every recipe's step is the eager step's arithmetic, compiled (`components.compile_in_place`).
 
 The eager steps are proven against plain-PyTorch references in ``tests/recipes``; here the compiled
 recipe's first two optimizer steps match the eager recipe's (inductor fuses and reorders float

@@ -59,8 +59,9 @@ def test_bad_step_options_name_their_key(make_cfg, tmp_path, recipe, override, k
 @pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "accumulation"])
 def test_clipping_bounds_every_step_of_every_recipe(make_cfg, recipe):
     """One SGD step of lr 1 with model.gradient_clip_val=1e-3: no network moves by more than 1e-3."""
-    sgd = ("optimizer@model.g_optimizer=sgd", "optimizer@model.d_optimizer=sgd") if recipe == "gan" else ("optimizer=sgd",)
-    lr = ("model.g_optimizer.lr=1.0", "model.d_optimizer.lr=1.0") if recipe == "gan" else ("model.optimizer.lr=1.0",)
+    gan = recipe == "gan"
+    sgd = ("optimizer@model.g_optimizer=sgd", "optimizer@model.d_optimizer=sgd") if gan else ("optimizer=sgd",)
+    lr = ("model.g_optimizer.lr=1.0", "model.d_optimizer.lr=1.0") if gan else ("model.optimizer.lr=1.0",)
     cfg = make_cfg(
         f"recipe={recipe}",
         *RECIPES[recipe],
@@ -85,9 +86,7 @@ def test_16_mixed_clipping_sees_the_true_gradients(make_cfg):
     before clipping (Lightning's own manual optimization clips the scaled ones: issue #18089), and its
     optimizer step does not unscale them a second time. One SGD step of lr 1 then moves the weights by
     exactly the clip norm, as in fp32 — not by clip / scale."""
-    cfg = make_cfg(
-        "recipe=multihead", *BARE, "optimizer=sgd", "model.optimizer.lr=1.0", "model.gradient_clip_val=1e-3"
-    )
+    cfg = make_cfg("recipe=multihead", *BARE, "optimizer=sgd", "model.optimizer.lr=1.0", "model.gradient_clip_val=1e-3")
     datamodule, model = testing.build(cfg)
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)

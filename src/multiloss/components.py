@@ -14,7 +14,7 @@ Every failure is a `ConfigError` under the component's key (``net``, ``tasks.dig
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -159,3 +159,21 @@ def name_of(component: Any) -> str:
     if is_config(component):
         return str(component["_target_"])
     return component if isinstance(component, str) else type(component).__qualname__
+
+
+def compile_in_place(module: nn.Module, names: Sequence[str], not_compilable: Callable[[str], str]) -> dict[str, str]:
+    """``torch.compile`` each submodule of ``module`` named in ``names`` that ``not_compilable`` lets through.
+
+    In place (``nn.Module.compile``): names, state-dict keys and checkpoints stay as without it. Returns
+    what was not compiled and why (also said once on the console).
+    """
+    from lightning.pytorch.utilities import rank_zero_info
+
+    skipped = {name: why for name in names if (why := not_compilable(name))}
+    for name in names:
+        component = getattr(module, name)
+        if name not in skipped and component._compiled_call_impl is None:
+            component.compile()
+    if skipped:
+        rank_zero_info("model.compile: left eager: " + "; ".join(f"model.{n} ({why})" for n, why in skipped.items()))
+    return skipped

@@ -17,21 +17,17 @@ from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from lightning.pytorch.utilities import rank_zero_info
-from torch.optim import Optimizer
 
-from multiloss import precision
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
-from multiloss.components import OptimizerFactory, name_of, plain
-from multiloss.config import ConfigError, require
+from multiloss.components import OptimizerFactory, compile_in_place, name_of
+from multiloss.config import ConfigError
+from multiloss.manual_step import ManualStep
 from multiloss.metrics import EpochMeans
-from multiloss.schedules import build_schedule
 from multiloss.training_log import TrainingLog, TrainingLogWriter
 
 
-class Recipe(L.LightningModule):
+class Recipe(ManualStep):
     """Base of the recipes: the contract, dict batches, the component check, the step options, loss logging.
 
     Subclasses build their components in ``__init__`` (single-optimizer recipes set
@@ -71,32 +67,13 @@ class Recipe(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        require(
-            isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1,
-            "accumulate_grad_batches",
-            accumulate_grad_batches,
-            "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
-        )
-        require(
-            gradient_clip_val is None or gradient_clip_val > 0,
-            "gradient_clip_val",
-            gradient_clip_val,
-            "a positive number (the largest gradient norm, or value, per step), or null for no clipping",
-        )
-        require(
-            gradient_clip_algorithm in ("norm", "value"),
-            "gradient_clip_algorithm",
-            gradient_clip_algorithm,
-            "norm or value",
-        )
         self.automatic_optimization = False  # each step is the recipe's own training_step, visible end to end
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        self.scheduler_spec = plain(scheduler)
+        self.set_step_options(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler)
         self.compile_components = bool(compile)
         self.optimizer_factory: OptimizerFactory | None = None
         self.training_log = TrainingLog()  # training values between log rows; the non-finite guard reads it
         self.epoch_means = EpochMeans()  # validation losses, filled by log_losses
+        self._log_names: dict[tuple[str, ...], tuple[str, ...]] = {}  # (prefix, *names) -> logged names
         self._components_checked = False
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -110,24 +87,6 @@ class Recipe(L.LightningModule):
 
     # --- before the first step ---------------------------------------------------------------------
 
-    def check_trainer(self, trainer: L.Trainer) -> None:
-        """Refuse the Trainer settings a recipe does itself, naming its own key (called before anything is written)."""
-        moved = (
-            ("accumulate_grad_batches", trainer.accumulate_grad_batches, 1),
-            ("gradient_clip_val", trainer.gradient_clip_val, None),
-            ("gradient_clip_algorithm", getattr(trainer.gradient_clip_algorithm, "value", None), None),
-        )
-        for key, value, unset in moved:
-            if value != unset:
-                with_value = " with model.gradient_clip_val=<max>" if key == "gradient_clip_algorithm" else ""
-                raise ConfigError(
-                    f"trainer.{key}",
-                    value,
-                    f"{unset if unset is not None else 'null'}; every recipe does this in its own step: "
-                    f"model.{key}={value}{with_value}",
-                    "Lightning cannot apply it under manual optimization",
-                )
-
     def configure_callbacks(self) -> list[L.Callback]:
         # The earliest hook Lightning calls on the module in fit(): before its own configuration checks
         # (bare MisconfigurationExceptions) and before any training.
@@ -138,37 +97,12 @@ class Recipe(L.LightningModule):
     def setup(self, stage: str) -> None:
         if not self._components_checked and (batch := probe_batch(self.trainer)) is not None:
             self.run_component_check(batch)
-        if stage == "fit" and self.accumulates_batches:
-            # Lightning's loop then counts optimizer steps as this recipe takes them: its logging step,
-            # its log rows and estimated_stepping_batches (Lightning's own GradientAccumulationScheduler
-            # sets it at run time the same way). Lightning checked it was 1 just before this hook.
-            self.trainer.accumulate_grad_batches = self.accumulate_grad_batches
-        precision.install(self.trainer.precision_plugin)
-
-    def teardown(self, stage: str) -> None:
-        if stage == "fit" and self._trainer is not None:
-            self.trainer.accumulate_grad_batches = 1  # a Trainer fitted again passes Lightning's check again
+        self.count_steps_in(self.trainer, stage)
 
     def configure_model(self) -> None:
         # Lightning's hook for building or wrapping the model once per fit, before the first step.
         if self.compile_components:
-            self.compile_in_place()
-
-    def compile_in_place(self) -> dict[str, str]:
-        """``torch.compile`` each of `components` that `not_compilable` lets through, in place (state-dict keys kept).
-
-        Returns what was not compiled and why (also said once on the console).
-        """
-        skipped = {name: why for name in self.components if (why := self.not_compilable(name))}
-        for name in self.components:
-            module = getattr(self, name)
-            if name not in skipped and module._compiled_call_impl is None:
-                module.compile()
-        if skipped:
-            rank_zero_info(
-                "model.compile: left eager: " + "; ".join(f"model.{name} ({why})" for name, why in skipped.items())
-            )
-        return skipped
+            compile_in_place(self, self.components, self.not_compilable)
 
     def not_compilable(self, name: str) -> str:
         """Why component ``name`` must stay eager under ``compile=true`` ('' if it can be compiled)."""
@@ -193,7 +127,7 @@ class Recipe(L.LightningModule):
         """The ``_target_`` of component ``key`` (or the class of one given as an object), for messages."""
         return name_of(self.hparams.get(key, getattr(self, key, key)))
 
-    # --- the step's tools --------------------------------------------------------------------------------
+    # --- the optimizer and its schedule (the step's own tools: multiloss.manual_step) -------------------
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
@@ -204,54 +138,6 @@ class Recipe(L.LightningModule):
                 "this module was built without one (fine for inference, not for training)",
             )
         return self.with_schedule(self.optimizer_factory(self.parameters()))
-
-    def with_schedule(self, optimizer: Optimizer) -> Any:
-        """``optimizer`` with its ``model.scheduler`` schedule, as ``configure_optimizers`` returns them (the
-        optimizer alone outside a Trainer: a schedule is made for a run, whose length only the Trainer knows)."""
-        if self._trainer is None:
-            return optimizer
-        schedule = build_schedule(self.scheduler_spec, optimizer, self._trainer)
-        return optimizer if schedule is None else {"optimizer": optimizer, "lr_scheduler": schedule}
-
-    def steps_on(self, batch_idx: int) -> bool:
-        """Whether training batch ``batch_idx`` ends an optimizer step: every ``accumulate_grad_batches``-th of
-        its epoch, and the epoch's last (no gradient is carried into the next epoch), as Lightning decides."""
-        return (batch_idx + 1) % self.accumulate_grad_batches == 0 or self.epoch_ends()
-
-    def epoch_ends(self) -> bool:
-        """Whether the training batch being trained is its epoch's last."""
-        return self.trainer.fit_loop.epoch_loop._num_ready_batches_reached()
-
-    def gradient_sync(self, stepping: bool) -> Any:
-        """A block whose backward DDP all-reduces only when ``stepping``: micro-batches that do not step skip it."""
-        return _block_parallel_sync_behavior(self.trainer.strategy, block=not stepping)
-
-    def clip_gradients(
-        self,
-        optimizer: Any,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Lightning's ``clip_gradients`` at ``model.gradient_clip_val`` (nothing when unset), on the true gradients
-        under 16-mixed (`multiloss.precision`)."""
-        value = self.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
-        if value is None:
-            return
-        precision.unscale_for_clipping(self.trainer.precision_plugin, optimizer)
-        super().clip_gradients(optimizer, value, gradient_clip_algorithm or self.gradient_clip_algorithm)
-
-    def step_lr_schedule(self, optimizer: Any, stepped: bool, batch_done: bool = True) -> None:
-        """``optimizer``'s schedule: a step after each of its steps (interval step), one after an epoch's last batch."""
-        configs = self.trainer.lr_scheduler_configs
-        if not configs:
-            return
-        raw = getattr(optimizer, "optimizer", optimizer)
-        for config in configs:
-            if config.scheduler.optimizer is raw and (
-                (stepped and config.interval == "step")
-                or (config.interval == "epoch" and batch_done and self.epoch_ends())
-            ):
-                config.scheduler.step()
 
     # --- logging ------------------------------------------------------------------------------------------
 
@@ -282,7 +168,9 @@ class Recipe(L.LightningModule):
         if not self.training:
             self.epoch_means.log(self, losses, prefix, 1 if batch_size is None else batch_size)
             return
-        names = tuple(f"{prefix}{name}" for name in losses)
+        key = (prefix, *losses)
+        if (names := self._log_names.get(key)) is None:
+            names = self._log_names[key] = tuple(f"{prefix}{name}" for name in losses)
         self.training_log.add(names, list(losses.values()), self.trainer.global_step)
 
     def log_train_values(self, names: tuple[str, ...], values: torch.Tensor) -> None:

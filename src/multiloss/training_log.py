@@ -17,6 +17,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from multiloss.lean_callback import LeanCallback
+
 
 class StepRows:
     """One row of values per step (with that step's number), on their device, until they are read.
@@ -27,8 +29,9 @@ class StepRows:
 
     limit = 1024
 
-    def __init__(self, width: int, device: torch.device) -> None:
+    def __init__(self, width: int, device: torch.device, scalars: bool = False) -> None:
         self.rows = torch.empty(8, width, device=device)
+        self.scalars = scalars  # values come as 0-d float32 tensors: stacked as they are
         self.steps: list[int] = []
         self.folded: tuple[torch.Tensor, int] | None = None  # sum and count of rows folded away
         self.first_bad: int | None = None  # the first step with a NaN/inf value, once found on the host
@@ -44,6 +47,8 @@ class StepRows:
         with torch.no_grad():  # stack(out=) into the next row: one kernel, and no graph
             if isinstance(values, torch.Tensor):
                 self.rows[n].copy_(values)
+            elif self.scalars:
+                torch.stack(values, out=self.rows[n])
             else:
                 torch.stack([v.reshape(()).to(self.rows.dtype) for v in values], out=self.rows[n])
         self.steps.append(step)
@@ -69,13 +74,6 @@ class StepRows:
         if self.first_bad is None and self.steps:
             self._note_bad(torch.isfinite(self.rows[: len(self.steps)]).all(1).logical_not().tolist())
         return self.first_bad
-
-    def settle(self) -> int | None:
-        """`scan`, then forget the rows when all were finite (rows only ever scanned, never taken, stay bounded)."""
-        first_bad = self.scan()
-        if first_bad is None:
-            self.steps, self.folded = [], None
-        return first_bad
 
     def _note_bad(self, flags: list[float]) -> None:
         if self.first_bad is None:
@@ -112,7 +110,10 @@ class TrainingLog:
         rows = self.groups.get(names)
         if rows is None:
             device = values.device if isinstance(values, torch.Tensor) else values[0].device
-            rows = self.groups[names] = StepRows(len(names), device)
+            scalars = not isinstance(values, torch.Tensor) and all(
+                v.dim() == 0 and v.dtype == torch.float32 for v in values
+            )
+            rows = self.groups[names] = StepRows(len(names), device, scalars)
             if watched:
                 self.watched.add(names)
         rows.append(values, step)
@@ -125,9 +126,16 @@ class TrainingLog:
         self.unjudged.clear()
         return taken
 
-    def first_nonfinite(self) -> tuple[int, list[str]] | None:
-        """The earliest step any watched value was NaN/inf, and the names of those values then (host reads)."""
-        found = [(rows.scan(), names) for names, rows in self.groups.items() if names in self.watched]
+    def first_nonfinite(self, scan: bool = True) -> tuple[int, list[str]] | None:
+        """The earliest step any watched value was NaN/inf, and the names of those values then.
+
+        ``scan``: read the rows not yet written too (a host read); else only what the written rows showed.
+        """
+        found = [
+            (rows.scan() if scan else rows.first_bad, names)
+            for names, rows in self.groups.items()
+            if names in self.watched
+        ]
         found = [(step, names) for step, names in found if step is not None]
         if not found:
             return None
@@ -155,21 +163,18 @@ class TrainingLog:
             logger.log_metrics({**row, "epoch": float(trainer.current_epoch)}, step=step)
 
 
-class TrainingLogWriter(L.Callback):
+class TrainingLogWriter(LeanCallback):
     """Keeps a `TrainingLog`'s step index and writes its rows when Lightning writes its own (every recipe's)."""
 
     def __init__(self, log: TrainingLog) -> None:
         self.training_log = log
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        # Lightning counts this batch's step only after the batch (and a validation it runs) is over.
-        self.training_log.step_index = trainer.fit_loop.epoch_loop._batches_that_stepped
-
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        # Lightning counts this batch's step only after the batch (and a validation it runs) is over: the
+        # index holds until the next batch ends, for the checkpoint, validation or epoch end in between.
+        self.training_log.step_index = trainer.fit_loop.epoch_loop._batches_that_stepped
         # The last hook before Lightning writes a log row; a micro-batch that does not step writes none.
         if trainer._logger_connector.should_update_logs and not trainer.fit_loop._should_accumulate():
             self.training_log.write_row(trainer)

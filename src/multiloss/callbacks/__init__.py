@@ -1,6 +1,6 @@
 """Lightning callbacks multiloss adds to every run or offers in ``configs/callbacks``."""
 
-from multiloss.callbacks.checkpoint import Checkpoint
+from multiloss.callbacks.checkpoint import Checkpoint, LearningRateMonitor
 from multiloss.callbacks.conflicts import ConflictMonitor
 from multiloss.callbacks.json_record import JsonRecord
 from multiloss.callbacks.leaks import GraphLeakDetector
@@ -16,6 +16,7 @@ __all__ = [
     "GeneratedSamplesPlot",
     "GraphLeakDetector",
     "JsonRecord",
+    "LearningRateMonitor",
     "LoggedCurvesPlot",
     "LossCurves",
     "NonFiniteError",

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from multiloss.lean_callback import LeanCallback
 
-class Checkpoint(ModelCheckpoint):
+
+class Checkpoint(ModelCheckpoint, LeanCallback):
     """`ModelCheckpoint` (all its arguments) whose ``last.ckpt`` is always the last step trained, resumable.
 
     Three holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
@@ -48,3 +51,7 @@ class Checkpoint(ModelCheckpoint):
     def _final_step(self, trainer: L.Trainer) -> bool:
         """``max_steps`` reached by the step just taken, and no checkpoint of it yet."""
         return 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer)
+
+
+class LearningRateMonitor(lightning_callbacks.LearningRateMonitor, LeanCallback):
+    """Lightning's `LearningRateMonitor` (all its arguments), skipped on the per-batch hooks it does not use."""

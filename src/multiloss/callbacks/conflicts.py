@@ -10,11 +10,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from multiloss.callbacks.plots import curves_figure, logged_curves
+from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
 from multiloss.task_gradients import pairwise_cosines, task_gradients
 
 
-class ConflictMonitor(L.Callback):
+class ConflictMonitor(LeanCallback):
     """On the steps that write a log row, the cosine between each pair of tasks' gradients on the shared parameters.
 
     Logs ``conflict/cos/<a>-<b>`` and ``conflict/negative/<a>-<b>`` (the share of monitored steps so

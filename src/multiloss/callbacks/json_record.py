@@ -8,8 +8,10 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from multiloss.lean_callback import LeanCallback
 
-class JsonRecord(L.Callback):
+
+class JsonRecord(LeanCallback):
     """Writes the module's dict attribute ``attribute`` to ``<run dir>/<filename>`` at every epoch end (rank zero)."""
 
     def __init__(self, filename: str, attribute: str) -> None:

@@ -27,8 +27,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from multiloss.lean_callback import LeanCallback
 
-class GraphLeakDetector(L.Callback):
+
+class GraphLeakDetector(LeanCallback):
     """Warns when the activations still alive after a training batch grow over the first ``steps`` batches."""
 
     def __init__(self, steps: int = 8) -> None:
@@ -48,7 +50,7 @@ class GraphLeakDetector(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if len(self.after_batch) < self.steps and not self._handles:
+        if not self._handles:
             self._handles = [m.register_forward_hook(self._note) for m in _eager_modules(pl_module)]
 
     def on_train_batch_end(
@@ -61,6 +63,9 @@ class GraphLeakDetector(L.Callback):
         if len(self.after_batch) == self.steps:
             self._verdict()
             self.outputs = weakref.WeakValueDictionary()
+            # Done: Lightning skips a hook that is None (multiloss.lean_callback), so the rest of the run
+            # pays nothing for this callback.
+            self.on_train_batch_start = self.on_train_batch_end = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove()

@@ -13,6 +13,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from multiloss.history import csv_logger, read_rows
+from multiloss.lean_callback import LeanCallback
 
 
 def logged_curves(trainer: L.Trainer, prefix: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -45,7 +46,7 @@ def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
     return read_rows(path) if path.is_file() else []
 
 
-class LossCurves(L.Callback):
+class LossCurves(LeanCallback):
     """At the end of fit, plots every logged column starting with ``prefix`` (one line each) to a PNG.
 
     Reads the CSVLogger's ``metrics.csv`` rather than keeping a second copy of the history.
@@ -73,7 +74,7 @@ class LossCurves(L.Callback):
             ax.grid(alpha=0.3)
 
 
-class LoggedCurvesPlot(L.Callback):
+class LoggedCurvesPlot(LeanCallback):
     """Plots logged ``columns`` over the steps, one panel each, to ``<run dir>/<filename>`` at every epoch end
     and when training ends (a run stopped by ``max_steps`` mid-epoch never reaches an epoch end).
 

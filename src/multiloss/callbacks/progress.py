@@ -8,8 +8,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
+from multiloss.lean_callback import LeanCallback
 
-class ProgressBar(RichProgressBar):
+
+class ProgressBar(RichProgressBar, LeanCallback):
     """`RichProgressBar` (all its arguments) taking the batch count and metrics at most ``refresh_rate`` times a second.
 
     The stock bar updates its task and re-reads the logged metrics (a walk over Lightning's result

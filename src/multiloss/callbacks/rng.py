@@ -9,8 +9,10 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
+from multiloss.lean_callback import LeanCallback
 
-class RngState(L.Callback):
+
+class RngState(LeanCallback):
     """Stores the torch / numpy / python (and CUDA) RNG states in every checkpoint, restores them on resume.
 
     Lightning checkpoints the weights, optimizers and loops but not the random streams, so noise

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from multiloss.console import print_config_tree, save_run_config
 from multiloss.history import HISTORY_KEY, continue_history, history_entry
+from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
 from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
 
@@ -31,7 +32,7 @@ SPLIT_KEY = "multiloss_data_split"
 SPLIT_KEYS = ("val_fraction", "test_fraction", "split_seed")
 
 
-class RunRecord(L.Callback):
+class RunRecord(LeanCallback):
     """Claims the run dir, writes the run's ``.hydra/`` config copies, prints the config tree and logs it.
 
     At the start of training, not before: ``fit`` first runs the recipe's component check on a batch

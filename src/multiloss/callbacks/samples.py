@@ -16,8 +16,10 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
+from multiloss.lean_callback import LeanCallback
 
-class GeneratedSamplesPlot(L.Callback):
+
+class GeneratedSamplesPlot(LeanCallback):
     """``samples/epoch_NNN.png``: ``n_samples`` generated points over the real ones (2-D samples), or a grid of
     generated images (``(H, W)``, ``(1 or 3, H, W)``, or a square number of features such as the digits' 64).
 
@@ -67,7 +69,7 @@ class GeneratedSamplesPlot(L.Callback):
             plt.close(fig)
 
 
-class TextSamples(L.Callback):
+class TextSamples(LeanCallback):
     """``samples/epoch_NNN.txt``: ``length`` tokens continuing ``prompt`` (``pl_module.generate``), with a header
     naming the epoch, the step and the last validation score."""
 
