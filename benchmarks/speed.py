@@ -5,6 +5,7 @@
     python benchmarks/speed.py --recipes gan tbptt --rounds 7
     python benchmarks/speed.py --size realistic          # wider networks (the per-step cost is then compute)
     python benchmarks/speed.py --modes off compiled      # model.compile=true against the eager loop
+    python benchmarks/speed.py --count                   # calls and ATen operators per step: no clock at all
 
 Per recipe, one process runs, interleaved over ``--rounds`` rounds, in an order that rotates from
 round to round (so no kind always runs first, or right after the same other kind):
@@ -34,6 +35,11 @@ else the machine did) and wall time. Cells are medians over the rounds; ratios a
 and for multiloss also to the manual floor. ``max abs Δw`` compares every weight after the window
 with the plain loop's: 0 means the same arithmetic, bit for bit.
 
+``--count`` runs each kind once and counts, over the same window, the Python and C function calls
+(``cProfile``) and the ATen operators dispatched, forward and backward (a ``TorchDispatchMode``),
+per optimizer step: what a step costs the interpreter and the kernel launcher, without the clock's
+noise (a small model's step is mostly these; on a shared 2-core machine the timings move ±20 %).
+
 A benchmark, not a test: timings move with the machine's load; read the ratios, rerun to compare.
 """
 
@@ -41,11 +47,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import itertools
 import math
 import os
 import platform
+import pstats
 import statistics
 import sys
 import tempfile
@@ -62,6 +70,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hydra.utils import get_method, instantiate  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from multiloss.batches import as_dict  # noqa: E402
 from multiloss.builders import build_data_and_model  # noqa: E402
@@ -102,6 +111,7 @@ class Window:
     steps_at_start: int = 0
     steps: int = 0  # optimizer steps taken inside the window
     done: bool = False
+    counter: Counter | None = None  # --count: counts calls and operators inside the window
 
     def batch_ended(self, steps_so_far: int) -> bool:
         """Count a batch (``steps_so_far``: optimizer steps since the run began); True when the window is complete."""
@@ -109,7 +119,11 @@ class Window:
         if self.seen == self.warmup:
             self._sync()
             self.start, self.steps_at_start = (time.perf_counter(), time.process_time()), steps_so_far
+            if self.counter is not None:
+                self.counter.start()
         if self.seen == self.warmup + self.batches:
+            if self.counter is not None:
+                self.counter.stop()
             self._sync()
             self.end = (time.perf_counter(), time.process_time())
             self.steps = steps_so_far - self.steps_at_start
@@ -127,6 +141,33 @@ class Window:
     @property
     def cpu_ms(self) -> float:
         return 1e3 * (self.end[1] - self.start[1]) / max(self.steps, 1)
+
+
+class Counter(TorchDispatchMode):
+    """Between `start` and `stop`: function calls (``what="calls"``, cProfile) or ATen operators dispatched,
+    forward and backward (``what="ops"``, this mode). One at a time: the mode's own Python would count as calls."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what, self.count = what, 0
+        self.profile = cProfile.Profile()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def start(self) -> None:
+        if self.what == "ops":
+            self.__enter__()
+        else:
+            self.profile.enable()
+
+    def stop(self) -> None:
+        if self.what == "ops":
+            self.__exit__(None, None, None)
+        else:
+            self.profile.disable()
+            self.count = pstats.Stats(self.profile).total_calls
 
 
 class StepTimer(L.Callback):
@@ -371,6 +412,8 @@ class BareLightning(L.LightningModule):
 class Result:
     cpu_ms: list[float] = field(default_factory=list)  # per run: CPU ms per optimizer step
     wall_ms: list[float] = field(default_factory=list)
+    calls: float = 0.0  # --count: function calls per optimizer step
+    ops: float = 0.0  # --count: ATen operators per optimizer step
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -412,6 +455,7 @@ def overrides(args: argparse.Namespace, recipe: str, mode: str) -> list[str]:
 def run_recipe(args: argparse.Namespace, recipe: str, mode: str, out: Path) -> tuple[Window, dict]:
     cfg = compose(*overrides(args, recipe, mode), output_dir=out)
     window = StepTimer.window = Window(args.warmup, batches_of(args, recipe), torch.device(args.device))
+    window.counter = Counter(args.count) if args.count else None
     # The progress bar draws as usual, into /dev/null: the table is this script's output.
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         train(cfg)
@@ -426,6 +470,7 @@ def run_plain(args: argparse.Namespace, recipe: str, kind: str, out: Path) -> tu
     module.to(device)
     nets = {name: getattr(module, name) for name in NETS.get(recipe, ("net",))}
     window = Window(args.warmup, batches_of(args, recipe), device)
+    window.counter = Counter(args.count) if args.count else None
     if args.precision == "bf16-mixed":
         # As Lightning's bf16-mixed: no cast cache. With it, a weight used several times in a step (the
         # critic on real, fake and interpolated samples) sums its gradient in bf16 first: not the same numbers.
@@ -475,7 +520,10 @@ def main() -> None:
         help="compiled: off with model.compile=true, against the eager plain loop",
     )
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides for every run")
+    parser.add_argument("--count", action="store_true", help="count calls and ATen operators per step (no clock)")
     args = parser.parse_args()
+    if args.count:
+        args.rounds, args.count = 2, "calls"  # round 0 counts calls, round 1 operators
     torch.set_num_threads(args.threads)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     import logging
@@ -487,7 +535,7 @@ def main() -> None:
 
     print(machine(args))
     print()
-    print(header(args.modes))
+    print(count_header(args.modes) if args.count else header(args.modes))
     kinds = ("plain", *args.modes)
     with tempfile.TemporaryDirectory(prefix="multiloss-bench-") as tmp:
         for recipe in args.recipes:
@@ -502,7 +550,11 @@ def main() -> None:
                     results[kind].cpu_ms.append(window.cpu_ms)
                     results[kind].wall_ms.append(window.wall_ms)
                     results[kind].weights = weights
-            print(row(recipe, args, results), flush=True)
+                    if window.counter is not None:
+                        setattr(results[kind], window.counter.what, window.counter.count / window.steps)
+                if args.count:
+                    args.count = "ops" if args.count == "calls" else "calls"
+            print((count_row if args.count else row)(recipe, args, results), flush=True)
 
 
 def row(recipe: str, args: argparse.Namespace, results: dict[str, Result]) -> str:
@@ -519,6 +571,28 @@ def row(recipe: str, args: argparse.Namespace, results: dict[str, Result]) -> st
     cells.append(" / ".join(f"{results[k].wall / plain.wall:.2f}×" for k in args.modes))
     cells.append(" / ".join(f"{largest_difference(results[k].weights, plain.weights):.0e}" for k in args.modes))
     return "| " + " | ".join(cells) + " |"
+
+
+def count_row(recipe: str, args: argparse.Namespace, results: dict[str, Result]) -> str:
+    """Calls and ATen operators per optimizer step of each kind, and multiloss's over the manual floor."""
+    cells = [recipe + (" (realistic)" if args.size == "realistic" else "")]
+    floor = results.get("manual")
+    for kind in ("plain", *args.modes):
+        cell = f"{results[kind].calls:,.0f} / {results[kind].ops:,.0f}"
+        if floor is not None and kind in ("off", "defaults", "compiled"):
+            cell += f" (+{results[kind].calls - floor.calls:,.0f} / +{results[kind].ops - floor.ops:,.0f})"
+        cells.append(cell)
+    return "| " + " | ".join(cells) + " |"
+
+
+def count_header(modes: list[str]) -> str:
+    names = ["recipe", "plain", *(LABELS[k] for k in modes)]
+    return (
+        "calls / ATen operators per optimizer step (multiloss: + over the manual floor)\n\n| "
+        + " | ".join(names)
+        + " |\n|---|"
+        + "---:|" * (len(names) - 1)
+    )
 
 
 def header(modes: list[str]) -> str:
