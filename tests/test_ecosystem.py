@@ -14,7 +14,7 @@ import yaml
 import multiloss
 from multiloss.cli import optimized_value
 from multiloss.config import check_config
-from tests.conftest import ROOT, run_cli
+from tests.conftest import CONFIG_DIR, ROOT, run_cli
 
 SHORT = ("trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2")
 
@@ -69,6 +69,20 @@ def test_each_recipes_search_composes_its_recipe_and_objective(make_cfg, recipe:
     check_config(cfg)
     assert cfg.model._target_.rsplit(".", 2)[-2] == recipe
     assert cfg.optimized_metric.startswith("val/")
+    # Every knob it sweeps is one a run accepts, at a choice's last value or a range's low end (a key the
+    # recipe refuses, such as trainer.accumulate_grad_batches above 1, would fail every trial).
+    from omegaconf import OmegaConf
+
+    from multiloss.builders import build_data_and_model, build_trainer
+
+    params = OmegaConf.load(CONFIG_DIR / "hparams_search" / f"{recipe}.yaml").hydra.sweeper.params
+    for key, space in params.items():
+        values = str(space).split("(")[-1].rstrip(")").split(",")
+        value = (values[-1] if "choice(" in str(space) else values[0]).strip()
+        trial = make_cfg(f"recipe={recipe}", f"{key}={value}")
+        check_config(trial)
+        _, model = build_data_and_model(trial)
+        model.check_trainer(build_trainer(trial, []))
 
 
 @pytest.mark.skipif(find_spec("mlflow") is None, reason="the mlflow extra is not installed")
