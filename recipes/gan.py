@@ -136,6 +136,7 @@ class GAN(Recipe):
     # find_unused_parameters=True graph walk (src/multiloss/distributed.py).
     ddp_submodules = ("generator", "discriminator")
     components: ClassVar[tuple[str, ...]] = ("generator", "discriminator")
+    validation_loss = None  # no single loss to watch: scheduler=plateau needs model.scheduler.monitor
 
     def __init__(
         self,

@@ -51,8 +51,8 @@ class MultiHead(Recipe):
     one ``manual_backward`` of it divided by ``accumulate_grad_batches``, and on every k-th micro-batch
     (and an epoch's last) clipping (``gradient_clip_val``), the optimizer step, zeroing and the
     ``scheduler``. Under DDP the micro-batches that do not step skip the gradient all-reduce. Logs
-    ``loss/head{i}`` and ``loss/total`` per step, ``val/loss/head{i}`` and ``val/acc/head{i}`` per
-    validation, and ``val/acc`` (the last head's).
+    ``loss/head{i}`` and ``loss/total`` per step, ``val/loss/head{i}``, ``val/loss/total`` (the
+    configured weighted sum) and ``val/acc/head{i}`` per validation, and ``val/acc`` (the last head's).
 
     The shipped net has no dropout or BatchNorm by default, so a batch split over micro-batches or
     ranks gives the same gradient; both are options (``model.net.dropout``, ``model.net.batch_norm``).
@@ -218,7 +218,9 @@ class MultiHead(Recipe):
         batch = self.named_batch(batch)
         logits = self.net(batch["x"])
         losses = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(logits)}
-        self.log_losses(losses, prefix=f"{self.stage}/loss/", batch_size=len(batch["y"]))
+        weights = self.head_weights or [1.0] * len(losses)
+        total = sum(w * loss for w, loss in zip(weights, losses.values()))
+        self.log_losses({**losses, "total": total}, prefix=f"{self.stage}/loss/", batch_size=len(batch["y"]))
         for i, (out, acc) in enumerate(zip(logits, self.val_acc)):
             acc(out, batch["y"])
             self.log(f"{self.stage}/acc/head{i}", acc, on_epoch=True)

@@ -23,8 +23,16 @@ gradients equal a hand-written ``repackage_hidden`` loop.
 Lightning removed its built-in TBPTT (``truncated_bptt_steps``) in 2.0, so the chunk loop lives in
 ``training_step`` under manual optimization.
 
+Two layouts of the data, both first class (``data.layout``): ``sequences`` — every batch a set of
+windows cut from the text, shuffled, each starting from an empty state, chunked inside; and
+``streams`` — the corpus cut into B contiguous streams read in order, batch t the t-th window of
+each, the detached state carried from one batch into the next (the truncated BPTT of language
+modelling: word_language_model, AWD-LSTM, Transformer-XL's memory).
+
     python train.py recipe=tbptt
     python train.py recipe=tbptt data=text data.path=my.txt                   # any file, as bytes
+    python train.py recipe=tbptt data=text data.level=words data.layout=streams data.path=train.txt \
+        data.val_path=valid.txt
     python train.py --config-dir my_configs recipe=tbptt net=my_gru data=text data.path=my.txt
 """
 
@@ -37,14 +45,16 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torchmetrics.aggregation import MeanMetric
+from torchmetrics.text import Perplexity
 
 from multiloss.batches import require_keys
 from multiloss.callbacks import TextSamples
-from multiloss.component_check import call_component, describe_batch, describe_output
+from multiloss.component_check import call_component, check_rows_independent, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
 from multiloss.config import ConfigError, require
-from multiloss.data.text import Vocabulary
+from multiloss.data.vocabulary import Vocabulary
 from multiloss.module import Recipe
 from multiloss.nets import repackage_hidden
 
@@ -57,27 +67,31 @@ class TruncatedBPTT(Recipe):
 
     Components:
         net (group ``net``, default ``char_lstm``: `multiloss.nets.CharLSTM`):
-            ``forward(tokens, hidden)`` -> ``(logits, hidden)``, ``hidden=None`` at the start of a
-            sequence; ``hidden`` may be any nested structure of tensors (an LSTM's ``(h, c)``, a
-            GRU's tensor) and is detached tree-wise between chunks; the logits are
-            ``(batch, time, vocabulary size)``. When the net's config leaves out ``vocab_size`` and
-            its class takes one, the recipe passes the data's vocabulary size.
+            ``forward(tokens, hidden)`` -> ``(logits, hidden)``, tokens and logits batch-first,
+            ``hidden=None`` at the start of a sequence; ``hidden`` may be any nested structure of tensors
+            (an LSTM's ``(h, c)``, a GRU's tensor) and is detached tree-wise between chunks; the logits
+            are ``(batch, time, vocabulary size)``. The recipe passes the data's vocabulary size to a net
+            config that leaves ``vocab_size`` out; one that sets it must set the data's.
         optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
-        data: batches with ``x`` (token ids ``(batch, seq_len)``) and ``y`` (the next tokens), and
+        data: batches with ``x`` (token ids ``(batch, length)``) and ``y`` (the next tokens), and
             optionally ``mask`` (y's shape, 1 where a target is scored, 0 on padding; a target id of
             -100, cross_entropy's ``ignore_index``, is not scored either). The vocabulary is the
-            data module's ``vocab`` (`multiloss.data.text.Vocabulary`: UTF-8 bytes, a file's
-            characters, or a number of opaque ids), or ``vocab`` here: null = the data's (UTF-8
-            bytes when the data module has none), a string of characters, or a size.
+            data module's ``vocab`` (`multiloss.data.vocabulary.Vocabulary`: UTF-8 bytes, characters,
+            words, or a number of opaque ids), or ``vocab`` here (a string of characters, a list of
+            words, or a size); data of token ids that names none needs ``vocab``.
 
     Each batch's sequences are split by *length* into chunks of ``chunk_length`` tokens
-    (``torch.split``; the last chunk is shorter when the length does not divide ``seq_len``;
+    (``torch.split``; the last chunk is shorter when the length does not divide the batch's;
     ``chunk_length ≥ seq_len`` is one chunk, i.e. full BPTT). The step (``training_step``, manual
     optimization), per chunk: forward from the carried state, ``manual_backward`` of the chunk's mean
     cross-entropy over its scored tokens (a chunk with none adds no gradient), gradient clipping by
     norm (``gradient_clip_val``, 1.0 by default), the optimizer step, zeroing and the ``scheduler``,
-    then the state detached (`multiloss.nets.repackage_hidden`). The state starts empty for every
-    batch (the sequences of a batch are shuffled windows, not continuations of the previous batch's).
+    then the state detached (`multiloss.nets.repackage_hidden`).
+
+    ``carry_state`` (null: the data's ``layout == "streams"``): the detached state at a batch's end is
+    the next batch's start, and every epoch starts empty (the streams start again); a checkpoint
+    holds it (every rank's), so a run stopped mid-epoch resumes exactly. Without it every batch starts
+    empty (its sequences are shuffled windows, not continuations of the previous batch's).
 
     ``trainer.max_steps`` counts optimizer steps, i.e. chunks (with ``accumulate_grad_batches=1``);
     Lightning checks it after each batch, so a run ends on a whole batch.
@@ -89,45 +103,51 @@ class TruncatedBPTT(Recipe):
     one step per batch on the mean of its truncated chunk gradients.
 
     Every chunk of a step weighs the same there, so the tokens of a short chunk (the last, when
-    ``chunk_length`` does not divide ``seq_len``) or of a padded one weigh more than a full chunk's,
+    ``chunk_length`` does not divide the length) or of a padded one weigh more than a full chunk's,
     and under DDP a rank's tokens weigh 1/world size whatever their number. ``count_exact: true``
     weighs every scored token of a step the same, across its chunks and every rank's (their counts
     all-reduced once per batch): the step's gradient is that of the mean loss over all those tokens,
-    as one backward of their summed loss would give (proven in tests; `multiloss.testing.tbptt_gradients`
-    with ``count_exact=True`` is the reference). Under DDP the ranks' batches must split into the
-    same number of chunks (one ``seq_len``), as the step count already requires.
+    as one backward of their summed loss would give (`multiloss.testing.tbptt_gradients` with
+    ``count_exact=True`` is the reference). Under DDP the ranks' batches must split into the same
+    number of chunks (one length), as the step count already requires.
 
     Logs ``loss/ce`` (nats per scored token, over the batch) and ``train/bpc`` per step;
-    ``val/loss/ce`` and ``val/bpc`` (cross-entropy / ln 2: bits per character, or per byte at the
-    byte level) per epoch on the held-out slice, over full sequences without chunking (the forward
-    with a carried state gives the same outputs; chunking changes only where backward stops). At
-    each epoch end, rank zero writes ``samples/epoch_NNN.txt``: ``sample_length`` tokens continuing
-    ``sample_prompt``, drawn with a private ``torch.Generator`` seeded by ``sample_seed`` (so sampling
-    never moves the global random stream and exact resume holds), at ``sample_temperature`` (0 = greedy)
-    (`multiloss.callbacks.TextSamples`).
+    ``val/loss/ce``, ``val/ppl`` (perplexity, torchmetrics) and, for bytes and characters, ``val/bpc``
+    (cross-entropy / ln 2: bits per character, or per byte) per validation. Validation runs chunk by
+    chunk with the state carried (across batches too with ``carry_state``): its memory is that of one
+    chunk, whatever the length of the sequences or streams (the scores are those of one forward over
+    the whole sequence). At each epoch end, rank zero writes ``samples/epoch_NNN.txt``:
+    ``sample_length`` tokens continuing ``sample_prompt`` (null: ``The`` where the vocabulary has it,
+    else its first token; words are joined by spaces, ids written as ids), drawn with a private
+    ``torch.Generator`` seeded by ``sample_seed`` (so sampling never moves the global random stream and
+    exact resume holds), at ``sample_temperature`` (0 = greedy) (`multiloss.callbacks.TextSamples`).
 
     Raises:
         ConfigError: ``chunk_length``, ``accumulate_grad_batches`` or ``sample_length`` < 1;
             ``gradient_clip_val`` ≤ 0; ``sample_temperature`` < 0; a ``sample_prompt`` the vocabulary
-            cannot encode; the step options' checks (`multiloss.module.Recipe`); at setup, a ``mask``
-            that is not 0/1 of ``y``'s shape, or a scored target id outside the vocabulary; at setup
-            (before any step or write), a net that does not return
-            ``(logits, hidden)``, logits whose last dim is not the vocabulary size, or a state that
-            cannot be carried into the next chunk; a checkpoint made with another vocabulary.
+            cannot encode; a net config's ``vocab_size`` other than the vocabulary's; the step options'
+            checks (`multiloss.module.Recipe`); at setup (before any step or write), a ``mask`` that is not
+            0/1 of ``y``'s shape, a token id of the data outside the vocabulary (or token data with no
+            vocabulary), a net that does not return ``(logits, hidden)``, logits whose last dim is not the
+            vocabulary size, a net whose sequences mix (one row's outputs change with another row's
+            tokens: a time-major recurrent layer fed batch-first tokens), or a state that cannot be
+            carried into the next chunk; a checkpoint made with another vocabulary.
     """
 
     # The recipe passes the data's vocabulary size to a net config that leaves it out (the validator
     # then does not ask for it).
     passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"net": ("vocab_size",)}
     accumulates_batches = False  # its micro-batches are chunks of one batch: Lightning counts batches
+    validation_loss = "val/loss/ce"
 
     def __init__(
         self,
         net: Any,
         optimizer: Any = None,
-        vocab: str | int | None = None,
+        vocab: str | int | list[str] | None = None,
         chunk_length: int = 32,
-        sample_prompt: str = "The ",
+        carry_state: bool | None = None,
+        sample_prompt: str | int | None = None,
         sample_length: int = 300,
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
@@ -143,36 +163,54 @@ class TruncatedBPTT(Recipe):
         require(sample_length >= 1, "sample_length", sample_length, "an integer ≥ 1 (tokens to generate)")
         require(sample_temperature >= 0, "sample_temperature", sample_temperature, "a number ≥ 0 (0 = greedy)")
         require(
-            vocab is None or (isinstance(vocab, str) and len(vocab) > 0) or (isinstance(vocab, int) and vocab >= 1),
+            vocab is None
+            or (isinstance(vocab, str | list) and len(vocab) > 0)
+            or (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1),
             "vocab",
             vocab,
-            "null (the data's vocabulary), a string of characters, or a number of token ids ≥ 1",
+            "null (the data's vocabulary), a string of characters, a list of words, or a number of token ids ≥ 1",
         )
         self.vocab = Vocabulary(vocab)
-        unknown = self.vocab.unknown(sample_prompt)
+        prompt = self.vocab.default_prompt() if sample_prompt is None else str(sample_prompt)
+        unknown = self.vocab.unknown(prompt)
         require(
-            len(sample_prompt.strip() if self.vocab.kind == "ids" else sample_prompt) >= 1 and not unknown,
+            len(prompt.strip() if self.vocab.kind in ("ids", "words") else prompt) >= 1 and not unknown,
             "sample_prompt",
             sample_prompt,
-            "a non-empty string the vocabulary encodes"
-            + (" (space-separated token ids)" if self.vocab.kind == "ids" else ""),
+            "a non-empty prompt the vocabulary encodes"
+            + {"ids": " (space-separated token ids)", "words": " (words separated by spaces)"}.get(self.vocab.kind, "")
+            + ", or null",
             f"not in the vocabulary: {unknown}" if unknown else "empty",
         )
         net, optimizer = plain(net), plain(optimizer)
+        if isinstance(net, dict) and net.get("vocab_size") not in (None, len(self.vocab)):
+            raise ConfigError(
+                "net.vocab_size",
+                net["vocab_size"],
+                f"{len(self.vocab)}, the vocabulary's size ({self.vocab}: data.level, data.path, or model.vocab); "
+                "or leave vocab_size out, and the recipe passes it",
+                f"the net would have {net['vocab_size']} logits for {len(self.vocab)} tokens",
+            )
         self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
-        self.chunk_length = chunk_length
-        self.count_exact = bool(count_exact)
+        self.chunk_length, self.prompt = chunk_length, prompt
+        self.count_exact, self.carry_state = bool(count_exact), bool(carry_state)
         self.net = build_module(net, "net", vocab_size=len(self.vocab))
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
-        self.val_bpc = MeanMetric()
+        self.carried: Any = None  # carry_state: the detached state at the last training batch's end
+        self.val_state: Any = None  # ... and at the last validation batch's end
+        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_bpc = MeanMetric() if self.vocab.kind in ("bytes", "chars") else None
 
     @classmethod
     def from_data(cls, datamodule: L.LightningDataModule) -> dict[str, Any]:
-        """The arguments this recipe takes from the data module: its vocabulary, when it has one."""
+        """What this recipe takes from the data module: its vocabulary, and whether it serves streams."""
+        links: dict[str, Any] = {}
         vocab = getattr(datamodule, "vocab", None)
-        if isinstance(vocab, Vocabulary):
-            return {"vocab": vocab.spec}
-        return {"vocab": vocab} if vocab is not None else {}
+        if vocab is not None:
+            links["vocab"] = vocab.plain() if isinstance(vocab, Vocabulary) else vocab
+        if (layout := getattr(datamodule, "layout", None)) is not None:
+            links["carry_state"] = layout == "streams"
+        return links
 
     def forward(self, tokens: torch.Tensor, hidden: Any = None) -> tuple[torch.Tensor, Any]:
         """Next-token logits ``(batch, time, vocab)`` for ids ``tokens``, and the state after the last one."""
@@ -182,6 +220,7 @@ class TruncatedBPTT(Recipe):
 
     def check_components(self, batch: dict[str, Any]) -> None:
         require_keys(batch, ("x", "y"), "token ids and the next tokens")
+        self.check_token_ids()
         net, given = self.component_name("net"), describe_batch(batch)
         x = batch["x"][:, : min(4, batch["x"].shape[1])]
         out = call_component("model.net", net, self.net, x, None, given=f"tokens {describe_output(x)}, hidden None")
@@ -202,7 +241,18 @@ class TruncatedBPTT(Recipe):
                 f"{self.vocab} (from the data, or model.vocab); a net config that leaves out vocab_size gets it",
                 f"for tokens {tuple(x.shape)} it returned logits {tuple(logits.shape)}",
             )
-        if self.chunk_length > batch["x"].shape[1]:
+        # A time-major recurrent layer fed batch-first tokens runs its recurrence across the batch: every
+        # row's logits then depend on the rows before it. Caught here, with the likely cause named.
+        check_rows_independent(
+            "model.net",
+            net,
+            lambda tokens: self.net(tokens, None)[0],
+            x,
+            (x + 1) % vocab,
+            "the net's rows mix: a recurrent layer that is time-major (nn.LSTM/GRU/RNN default "
+            "batch_first=False) fed (batch, time) tokens; build it with batch_first=True, or transpose",
+        )
+        if self.chunk_length > batch["x"].shape[1] and not self.carry_state:
             rank_zero_warn(
                 f"multiloss: model.chunk_length={self.chunk_length} exceeds the sequences' length "
                 f"({batch['x'].shape[1]}, data.seq_len): one chunk per sequence, i.e. full BPTT, no truncation"
@@ -237,6 +287,40 @@ class TruncatedBPTT(Recipe):
             given=f"tokens {tuple(x.shape)} and the detached hidden state of the previous call",
         )
 
+    def check_token_ids(self) -> None:
+        """Every token id of the data (its ``max_token_id``, where it tells) has a row in the net's embedding."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        largest = getattr(datamodule, "max_token_id", None)
+        if largest is None:
+            return
+        from_data = getattr(datamodule, "vocab", None) is not None
+        require(
+            from_data or self.hparams.get("vocab") is not None,
+            "model.vocab",
+            None,
+            f"the vocabulary's size: model.vocab=<n> (the data's largest token id is {largest}), or a vocab_size "
+            "array in the data file (np.savez(..., vocab_size=n))",
+            "the data holds token ids and names no vocabulary",
+        )
+        require(
+            largest < len(self.vocab),
+            "data",
+            f"<token id {largest}>",
+            f"input and target ids in [0, {len(self.vocab)}) ({self.vocab}): the net's embedding has "
+            f"{len(self.vocab)} rows" + ("" if from_data else f"; or model.vocab={largest + 1} or more"),
+            f"the data's largest token id is {largest}",
+        )
+
+    def total_optimizer_steps(self) -> int:
+        """The run's optimizer steps: Lightning's batch count times this recipe's steps per batch (chunks / k)."""
+        trainer = self.trainer
+        seq_len = getattr(trainer.datamodule, "seq_len", None)
+        if not isinstance(seq_len, int) or trainer.max_epochs in (None, -1):
+            return super().total_optimizer_steps()
+        per_batch = math.ceil(math.ceil(seq_len / self.chunk_length) / self.accumulate_grad_batches)
+        steps = int(trainer.num_training_batches) * max(trainer.max_epochs, 1) * per_batch
+        return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
+
     # ---------------------------------------------------------------- training
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -247,7 +331,8 @@ class TruncatedBPTT(Recipe):
         ys = torch.split(y, self.chunk_length, dim=1)
         tokens = torch.stack([(target != IGNORE_INDEX).sum() for target in ys])
         scales = self.chunk_scales(tokens)  # each chunk's summed token loss × this: its mean / k, or count-exact
-        hidden = None
+        # Streams: this batch goes on where the last one stopped (an epoch starts them again). Sequences: fresh.
+        hidden = self.carried if self.carry_state and batch_idx > 0 else None
         nll_sum = y.new_zeros((), dtype=torch.float32)
         for i, (x, target) in enumerate(zip(xs, ys)):
             last = i == len(xs) - 1
@@ -264,6 +349,7 @@ class TruncatedBPTT(Recipe):
             # After the step: the next chunk starts from these values, its backward ends here.
             hidden = self.repackage_hidden(hidden)
             nll_sum = nll_sum + nll.detach().float()
+        self.carried = hidden if self.carry_state else None
         ce = nll_sum / tokens.sum().clamp(min=1)
         self.log_losses({"ce": ce}, batch_size=len(y))
         self.log_train_values(("train/bpc",), (ce / LN2).reshape(1))
@@ -302,15 +388,24 @@ class TruncatedBPTT(Recipe):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.named_batch(batch)
-        # Whole sequences at once: without backward there is no graph to truncate.
-        logits, _ = self.net(batch["x"], None)
         y = self.scored_targets(batch)
+        # Chunk by chunk with the state carried: the scores of one forward over the whole sequence, the
+        # memory of one chunk (logits are batch × chunk × vocabulary, not batch × sequence × vocabulary).
+        hidden = self.val_state if self.carry_state and batch_idx > 0 else None
+        nll_sum = y.new_zeros((), dtype=torch.float32)
+        for x, target in zip(torch.split(batch["x"], self.chunk_length, 1), torch.split(y, self.chunk_length, 1)):
+            logits, hidden = self.net(x, hidden)
+            nll_sum = nll_sum + F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum").float()
+            self.val_ppl.update(logits.float(), target)
+        self.val_state = hidden if self.carry_state else None
         n_tokens = (y != IGNORE_INDEX).sum()
-        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").float() / n_tokens.clamp(min=1)
+        ce = nll_sum / n_tokens.clamp(min=1)
         self.log_losses({"ce": ce}, prefix=f"{self.stage}/loss/", batch_size=n_tokens)
-        # Weighted by scored tokens, reduced over ranks by torchmetrics: the exact mean over the slice.
-        self.val_bpc.update(ce / LN2, weight=n_tokens)
-        self.log(f"{self.stage}/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
+        # Reduced over ranks by torchmetrics: the exact mean over every scored token of the set.
+        self.log(f"{self.stage}/ppl", self.val_ppl, on_epoch=True, prog_bar=True)
+        if self.val_bpc is not None:
+            self.val_bpc.update(ce / LN2, weight=n_tokens)
+            self.log(f"{self.stage}/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
 
     # ------------------------------------------------------------------ sample
 
@@ -330,19 +425,36 @@ class TruncatedBPTT(Recipe):
             ids.append(int(nxt))
             logits, hidden = self.net(nxt.view(1, 1), hidden)
         self.train(was_training)
-        sep = " " if self.vocab.kind == "ids" else ""
-        return prompt + sep + self.vocab.decode(ids)
+        return prompt + self.vocab.separator + self.vocab.decode(ids)
 
     def output_callbacks(self) -> list[L.Callback]:
         h = self.hparams
-        return [TextSamples(h.sample_prompt, h.sample_length, h.sample_temperature, h.sample_seed)]
+        metric = "val/bpc" if self.val_bpc is not None else "val/ppl"
+        return [TextSamples(self.prompt, h.sample_length, h.sample_temperature, h.sample_seed, metric)]
 
     # -------------------------------------------------------------- checkpoint
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["vocab"] = self.vocab.spec
+        checkpoint["vocab"] = self.vocab.plain()
+        if self.carry_state:
+            # Every rank's own streams' state (a collective: every rank saves), stacked by rank.
+            checkpoint[CARRIED_KEY] = apply_to_collection(self.carried, torch.Tensor, self._gathered)
+
+    def _gathered(self, state: torch.Tensor) -> torch.Tensor:
+        gathered = self.trainer.strategy.all_gather(state.contiguous())
+        return (gathered if self.trainer.world_size > 1 else gathered[None]).cpu()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.carry_state and (carried := checkpoint.get(CARRIED_KEY)) is not None:
+            world, rank = (self.trainer.world_size, self.trainer.global_rank) if self._trainer else (1, 0)
+            saved_world = next(t for t in _tensors(carried)).shape[0]
+            if saved_world == world:
+                self.carried = apply_to_collection(carried, torch.Tensor, lambda t: t[rank])
+            else:
+                rank_zero_warn(
+                    f"multiloss: the checkpoint carries the state of {saved_world} ranks' streams and this run reads "
+                    f"{world} ranks' (other streams): the state starts empty at the next batch"
+                )
         if "vocab" not in checkpoint:
             return
         saved = Vocabulary(checkpoint["vocab"])
@@ -353,3 +465,16 @@ class TruncatedBPTT(Recipe):
                 f"a checkpoint trained with this run's vocabulary ({self.vocab}; data.path, data.level)",
                 "its vocabulary differs: its token ids mean other tokens",
             )
+
+    def on_train_start(self) -> None:
+        # A state restored from a checkpoint was loaded before the module reached its device.
+        self.carried = apply_to_collection(self.carried, torch.Tensor, lambda t: t.to(self.device))
+
+
+CARRIED_KEY = "tbptt_carried_state"  # where a checkpoint keeps the state carried into the next batch (streams)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(tree, torch.Tensor, found.append)
+    return found

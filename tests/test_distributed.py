@@ -400,3 +400,46 @@ def test_tbptt_count_exact_sums_every_ranks_tokens(tmp_path):
     exact = tbptt_gradients(module.net, batch, chunk_length=8, every=2, count_exact=True)[0]["net.head.bias"]
     per_rank = [tbptt_gradients(module.net, h, chunk_length=8, every=2, count_exact=True)[0] for h in halves]
     assert (exact - (per_rank[0]["net.head.bias"] + per_rank[1]["net.head.bias"]) / 2).abs().max() > 1e-4
+
+
+def test_tbptt_streams_on_two_ranks_equal_the_loop_over_all_their_streams(tmp_path):
+    """data.layout=streams: rank r reads streams r·B to (r+1)·B - 1 of the corpus cut into 2B; DDP averages the
+    ranks' mean chunk losses (equal token counts), so 2 ranks × 2 streams == the hand-written loop over 4
+    streams, the state carried on each rank."""
+    from multiloss.data.vocabulary import pydoc_text
+    from multiloss.testing import stream_gradients
+
+    train_file, val_file = tmp_path / "train.txt", tmp_path / "valid.txt"
+    train_file.write_text(pydoc_text()[:400])
+    val_file.write_text(pydoc_text()[400:500])
+    common = (
+        "recipe=tbptt",
+        "data=text",
+        f"data.path={train_file}",
+        f"data.val_path={val_file}",
+        "data.level=chars",
+        "data.layout=streams",
+        "data.seq_len=12",
+        "model.chunk_length=4",
+        "model.net.embedding_dim=8",
+        "model.net.hidden_size=16",
+        "model.gradient_clip_val=null",
+        "optimizer=sgd",
+        "model.optimizer.lr=0.5",
+        "model.sample_length=5",
+        "trainer.max_steps=15",  # 5 windows of 3 chunks, each rank its own 2 streams
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=2")
+    datamodule, module = build(compose_config([*common, "data.batch_size=4"], tmp_path / "ref"))
+    initial = {f"net.{n}": p.detach().clone() for n, p in module.net.named_parameters()}
+    grads = stream_gradients(module.net, datamodule.train_ids, 4, 12, 4, lr=0.5, steps=15)
+    expected = {n: w - 0.5 * sum(g[n] for g in grads) for n, w in initial.items()}  # plain SGD, by hand
+    got = load_weights(two / "checkpoints/last.ckpt")
+    assert_gradients_close({n: got[n] for n in expected}, expected, atol=1e-5)
+    # Not vacuous: the same loop over the first 2 streams alone (one rank's) ends elsewhere.
+    alone = stream_gradients(
+        module.net, datamodule.train_ids[: len(datamodule.train_ids) // 2], 2, 12, 4, lr=0.5, steps=15
+    )
+    assert (sum(g["net.head.bias"] for g in alone) - sum(g["net.head.bias"] for g in grads)).abs().max() > 1e-3

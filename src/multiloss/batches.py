@@ -64,6 +64,8 @@ def probe_batch(trainer: L.Trainer, size: int = 2) -> dict[str, Any] | None:
     if collate is None or not isinstance(dataset, Dataset) or isinstance(dataset, IterableDataset):
         return None
     try:
+        if loader.batch_size is None and loader.batch_sampler is None:  # every item already is a batch (streams)
+            return take(as_dict(dataset[0]), size) if len(dataset) else None
         n = min(size, len(dataset))
         items = [dataset[i] for i in range(n)]
     except Exception:  # a dataset indexed otherwise (by a batch sampler, ...): the first real batch is checked

@@ -82,3 +82,44 @@ def call_component(key: str, target: str, fn: Any, *args: Any, given: str = "") 
             f"a component that runs on the data ({given})" if given else "a component that runs",
             f"it failed: {type(err).__name__}: {err}",
         ) from None
+
+
+def check_rows_independent(
+    key: str, target: str, fn: Any, inputs: torch.Tensor, other: torch.Tensor, cause: str
+) -> None:
+    """The rows of a batch are separate examples: ``fn``'s outputs for rows 1.. stay the same when row 0 changes.
+
+    ``other``: inputs whose row 0 differs from ``inputs``' (only that row is used). Every tensor of
+    ``fn``'s output with the batch's rows first is compared, rows 1.. only. A failure is a
+    `ConfigError` under ``key`` naming ``cause``.
+    """
+    if len(inputs) < 2:
+        return
+    changed = inputs.clone()
+    changed[0] = other[0]
+    before, after = _leaves(fn(inputs)), _leaves(fn(changed))
+    mixed = [
+        (a, b)
+        for a, b in zip(before, after)
+        if a.shape == b.shape and a.dim() > 0 and len(a) == len(inputs) and a.is_floating_point()
+    ]
+    moved = max(((a[1:] - b[1:]).abs().max().item() for a, b in mixed), default=0.0)
+    scale = max((a[1:].abs().max().item() for a, _ in mixed), default=0.0)
+    require(
+        moved <= 1e-5 * max(scale, 1.0),
+        key,
+        target,
+        "a network whose batch rows are independent examples: changing one sequence leaves every other "
+        "sequence's outputs as they were (in eval mode)",
+        f"{cause} (changing row 0's input moved row 1's outputs by {moved:.3g})",
+    )
+
+
+def _leaves(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        return [t for v in output.values() for t in _leaves(v)]
+    if isinstance(output, list | tuple):
+        return [t for v in output for t in _leaves(v)]
+    return []

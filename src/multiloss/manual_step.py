@@ -93,6 +93,10 @@ class ManualStep(L.LightningModule):
         if stage == "fit" and self._trainer is not None:
             self.trainer.accumulate_grad_batches = 1  # a Trainer fitted again passes Lightning's check again
 
+    def total_optimizer_steps(self) -> int:
+        """How many optimizer steps the run takes (a schedule's ``total_steps``): Lightning's estimate."""
+        return int(self.trainer.estimated_stepping_batches)
+
     def with_schedule(self, optimizer: Optimizer) -> Any:
         """``optimizer`` with its ``model.scheduler`` schedule, as ``configure_optimizers`` returns them (the
         optimizer alone outside a Trainer: a schedule is made for a run, whose length only the Trainer knows)."""
@@ -135,8 +139,8 @@ class ManualStep(L.LightningModule):
             return
         raw = getattr(optimizer, "optimizer", optimizer)
         for config in configs:
+            interval = getattr(config.scheduler, "interval", config.interval)  # ours say; torch's: Lightning's
             if config.scheduler.optimizer is raw and (
-                (stepped and config.interval == "step")
-                or (config.interval == "epoch" and batch_done and self.epoch_ends())
+                (stepped and interval == "step") or (interval == "epoch" and batch_done and self.epoch_ends())
             ):
                 config.scheduler.step()

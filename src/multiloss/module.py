@@ -24,6 +24,7 @@ from multiloss.components import OptimizerFactory, compile_in_place, name_of
 from multiloss.config import ConfigError
 from multiloss.manual_step import ManualStep
 from multiloss.metrics import EpochMeans
+from multiloss.schedules import StepOnValidation
 from multiloss.training_log import TrainingLog, TrainingLogWriter
 
 
@@ -43,6 +44,7 @@ class Recipe(ManualStep):
     built_at_setup: tuple[str, ...] = ()  # state-dict prefixes of parts made at setup: a checkpoint may hold them first
     task_losses: dict[str, torch.Tensor] | None = None  # this step's per-task losses, graph on (monitor=conflicts)
     shared_parameters: list[torch.nn.Parameter] | None = None  # the layers the tasks share, if named (else found)
+    validation_loss: ClassVar[str | None] = "val/loss/total"  # what scheduler=plateau watches by default
 
     @classmethod
     def from_data(cls, datamodule: L.LightningDataModule) -> dict[str, Any]:
@@ -92,7 +94,7 @@ class Recipe(ManualStep):
         # (bare MisconfigurationExceptions) and before any training.
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self.check_trainer(self.trainer)
-        return [TrainingLogWriter(self.training_log), *self.output_callbacks()]
+        return [TrainingLogWriter(self.training_log), StepOnValidation(), *self.output_callbacks()]
 
     def setup(self, stage: str) -> None:
         if not self._components_checked and (batch := probe_batch(self.trainer)) is not None:

@@ -1,26 +1,31 @@
 """Learning-rate schedules: the ``scheduler`` group (``model.scheduler``), stepped in each recipe's training step.
 
 Under manual optimization Lightning steps no scheduler, so each recipe's ``training_step`` does,
-right after the optimizer step it belongs to (`multiloss.module.Recipe.step_lr_schedule`). Each
-schedule says when it steps, as Lightning's ``interval``: ``"step"`` after every optimizer step,
+right after the optimizer step it belongs to (`multiloss.manual_step.ManualStep.step_lr_schedule`).
+Each schedule says when it steps (its ``interval``): ``"step"`` after every optimizer step,
 ``"epoch"`` at each epoch's last batch (so a checkpoint taken at an epoch's end already holds the
-next epoch's rate, and a resume from it continues exactly). A recipe builds one schedule per
-optimizer from ``model.scheduler`` (a ``_partial_`` config), passing what it knows of the run
-(``epochs``, ``total_steps``) to a schedule that takes them and whose config leaves them out.
-Schedules are ``torch.optim.lr_scheduler`` classes, so their state goes into every checkpoint.
+next epoch's rate, and a resume from it continues exactly), ``"validation"`` when a validation
+ends, on its monitored metric (`StepOnValidation`, before a checkpoint of that moment is written).
+A recipe builds one schedule per optimizer from ``model.scheduler`` (a ``_partial_`` config),
+passing what it knows of the run (``epochs``, ``total_steps``, the ``monitor``ed validation loss) to
+a schedule that takes them and whose config leaves them out. Schedules are
+``torch.optim.lr_scheduler`` classes, so their state goes into every checkpoint; a torch scheduler
+named directly steps per optimizer step.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import math
+from typing import Any, Literal
 
 import lightning as L
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau, StepLR
 
 from multiloss.components import accepts, build_callable
 from multiloss.config import ConfigError, require
+from multiloss.lean_callback import LeanCallback
 
 CONSTANT = "multiloss.schedules.Constant"
 
@@ -56,12 +61,106 @@ class LinearDecay(LambdaLR):
         super().__init__(optimizer, functools.partial(_linear_decay, epochs=epochs))
 
 
+class WarmupCosine(LambdaLR):
+    """A linear warm-up to the configured rate over ``warmup_steps`` optimizer steps, then a cosine down to
+    ``min_factor`` × that rate at ``total_steps`` (the run's optimizer steps, unless set)."""
+
+    interval = "step"
+
+    def __init__(self, optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, min_factor: float = 0.0) -> None:
+        require(isinstance(warmup_steps, int) and warmup_steps >= 0, "warmup_steps", warmup_steps, "an integer ≥ 0")
+        require(
+            isinstance(total_steps, int) and total_steps > warmup_steps,
+            "total_steps",
+            total_steps,
+            f"more optimizer steps than warmup_steps={warmup_steps}: the run's (trainer.max_steps or max_epochs), "
+            "or model.scheduler.total_steps",
+        )
+        require(0 <= min_factor <= 1, "min_factor", min_factor, "a number in [0, 1]")
+        self.total_steps, self.warmup_steps, self.min_factor = total_steps, warmup_steps, min_factor
+        super().__init__(
+            optimizer, functools.partial(_warmup_cosine, warmup=warmup_steps, total=total_steps, floor=min_factor)
+        )
+
+
+class StepDecay(StepLR):
+    """The rate times ``gamma`` every ``step_size`` epochs."""
+
+    interval = "epoch"
+
+    def __init__(self, optimizer: Optimizer, step_size: int = 1, gamma: float = 0.1) -> None:
+        require(isinstance(step_size, int) and step_size >= 1, "step_size", step_size, "an integer ≥ 1 (epochs)")
+        require(0 < gamma <= 1, "gamma", gamma, "a factor in (0, 1]")
+        super().__init__(optimizer, step_size=step_size, gamma=gamma)
+
+
+class Plateau(ReduceLROnPlateau):
+    """The rate times ``factor`` whenever the validation metric ``monitor`` has not improved for ``patience``
+    validations (word_language_model's annealing: ÷ 4 as soon as the validation loss is not below its best).
+
+    ``monitor``: a metric the recipe logs (null: its validation loss, e.g. ``val/loss/ce``), ``mode`` min
+    or max. Stepped when a validation ends (`StepOnValidation`).
+    """
+
+    interval = "validation"
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        monitor: str,
+        mode: Literal["min", "max"] = "min",
+        factor: float = 0.25,
+        patience: int = 0,
+        threshold: float = 0.0,
+        min_lr: float = 0.0,
+    ) -> None:
+        require(
+            isinstance(monitor, str) and len(monitor) > 0, "monitor", monitor, "a validation metric, e.g. val/loss/ce"
+        )
+        require(0 < factor < 1, "factor", factor, "a factor in (0, 1)")
+        require(isinstance(patience, int) and patience >= 0, "patience", patience, "an integer ≥ 0 (validations)")
+        self.monitor = monitor
+        super().__init__(optimizer, mode=mode, factor=factor, patience=patience, threshold=threshold, min_lr=min_lr)
+
+
+class StepOnValidation(LeanCallback):
+    """Steps every ``interval = "validation"`` schedule on its monitored metric when a validation ends.
+
+    At ``on_validation_end``, after Lightning has computed the epoch's metrics and before the checkpoint
+    callbacks (which Lightning orders last) save: a checkpoint of that moment holds the stepped schedule.
+    """
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if getattr(scheduler, "interval", None) != "validation":
+                continue
+            value = trainer.callback_metrics.get(scheduler.monitor)
+            require(
+                value is not None,
+                "model.scheduler.monitor",
+                scheduler.monitor,
+                f"a metric the recipe logs at validation: {', '.join(sorted(trainer.callback_metrics)) or 'none yet'}",
+                "no such metric",
+            )
+            scheduler.step(float(value))
+
+
 def _one(step: int) -> float:
     return 1.0
 
 
 def _linear_decay(epoch: int, epochs: int) -> float:
     return max(0.0, 1 - epoch / epochs)
+
+
+def _warmup_cosine(step: int, warmup: int, total: int, floor: float) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> dict[str, Any] | None:
@@ -90,11 +189,13 @@ def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> dict[
         "a torch.optim.lr_scheduler class (with _partial_: true)",
         f"it built a {type(scheduler).__name__}",
     )
-    return {"scheduler": scheduler, "interval": getattr(scheduler, "interval", "step")}
+    # Lightning keeps "step" or "epoch" (its LR monitor reads it); the recipe steps by the schedule's own.
+    return {"scheduler": scheduler, "interval": "step" if getattr(scheduler, "interval", "step") == "step" else "epoch"}
 
 
 # What a recipe knows of its run and passes to a schedule that takes it (and whose config leaves it out).
 _RUN_LENGTHS = {
     "epochs": lambda trainer: trainer.max_epochs,
-    "total_steps": lambda trainer: int(trainer.estimated_stepping_batches),
+    "total_steps": lambda trainer: trainer.lightning_module.total_optimizer_steps(),
+    "monitor": lambda trainer: trainer.lightning_module.validation_loss,
 }

@@ -8,7 +8,9 @@ network, the way the usual hand-written loops compute it:
 - `per_head_gradients`: one ``backward(retain_graph=True)`` per head (multihead's summed backward);
 - `weighted_sum_gradients`: the backward of Σ wᵢ·lossᵢ (weighted's single ``grad_tensors`` backward);
 - `tbptt_gradients` / `full_bptt_gradients`: the ``repackage_hidden`` chunk loop, and one backward
-  through the whole sequence (tbptt with ``chunk_length == seq_len``);
+  through the whole sequence (tbptt with ``chunk_length == seq_len``); `stream_gradients`: the word
+  language model's loop over continuous streams, the state carried from window to window
+  (tbptt with ``data.layout=streams``);
 - `accumulated_gradients` / `one_batch_gradients`: k micro-batches of ``loss / k`` vs one batch of
   k·b (accumulation);
 - `gan_noise`, `discriminator_gradients`, `generator_gradients`: the GAN's two steps.
@@ -303,6 +305,48 @@ def tbptt_gradients(
             net.zero_grad(set_to_none=True)
         hidden = _detach(hidden)
     return steps
+
+
+def stream_gradients(
+    net: nn.Module,
+    ids: torch.Tensor,
+    streams: int,
+    seq_len: int,
+    chunk_length: int,
+    lr: float = 0.0,
+    steps: int | None = None,
+    carry: bool = True,
+    prefix: str = "net.",
+) -> list[Gradients]:
+    """The word-language-model loop over continuous streams: batchify, windows in order, the state carried.
+
+    ``ids`` (1-D) cut into ``streams`` contiguous rows (the remainder dropped); windows of ``seq_len``
+    tokens in order (the last one shorter), each cut into chunks of ``chunk_length``; per chunk a
+    forward from the carried state, ``backward`` of its mean cross-entropy, the gradient recorded, an
+    SGD step of ``lr`` by hand, the state detached — and kept into the next window (``carry=False``:
+    every window starts empty). Returns the first ``steps`` steps' gradients (all when None).
+    """
+    net = copy.deepcopy(net)
+    rows = ids[: len(ids) // streams * streams].view(streams, -1)
+    hidden, grads = None, []
+    for start in range(0, rows.shape[1] - 1, seq_len):
+        length = min(seq_len, rows.shape[1] - 1 - start)
+        x, y = rows[:, start : start + length], rows[:, start + 1 : start + 1 + length]
+        hidden = hidden if carry else None
+        for c in range(0, length, chunk_length):
+            net.zero_grad(set_to_none=True)
+            logits, hidden = net(x[:, c : c + chunk_length], hidden)
+            target = y[:, c : c + chunk_length].reshape(-1)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target).backward()
+            grads.append(_grads(net, prefix))
+            with torch.no_grad():
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p -= lr * p.grad
+            hidden = _detach(hidden)
+            if steps is not None and len(grads) == steps:
+                return grads
+    return grads
 
 
 def full_bptt_gradients(net: nn.Module, batch: Mapping[str, Any], prefix: str = "net.") -> Gradients:

@@ -485,7 +485,7 @@ def test_padded_data_trains_and_validates_on_scored_tokens(make_cfg, tmp_path):
         )
     )
     assert all(math.isfinite(v) for v in metrics.values()), metrics
-    # val/bpc is the mean over the held-out scored tokens: recompute it from the checkpoint.
+    # val/loss/ce and val/ppl are the mean over the held-out scored tokens: recompute them from the checkpoint.
     module = TruncatedBPTT.load_from_checkpoint(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
     datamodule = instantiate(make_cfg(*TINY, *padded_tbptt(data), "data.val_fraction=0.25").data)
     datamodule.setup("fit")
@@ -494,7 +494,9 @@ def test_padded_data_trains_and_validates_on_scored_tokens(make_cfg, tmp_path):
         logits, _ = module.net(val["x"], None)
     scored = val["mask"].bool()
     ce = F.cross_entropy(logits[scored], val["y"][scored])
-    assert metrics["val/bpc"] == pytest.approx(float(ce) / math.log(2), rel=1e-5)
+    assert metrics["val/loss/ce"] == pytest.approx(float(ce), rel=1e-5)
+    assert metrics["val/ppl"] == pytest.approx(math.exp(float(ce)), rel=1e-5)
+    assert "val/bpc" not in metrics  # bits per character: for bytes and characters, not opaque ids
 
 
 @pytest.mark.parametrize(
@@ -503,6 +505,7 @@ def test_padded_data_trains_and_validates_on_scored_tokens(make_cfg, tmp_path):
         ({"mask": np.full((16, 24), 2)}, "0/1 (or boolean) mask"),
         ({"mask": np.ones((16, 23), dtype=bool)}, "of y's shape"),
         ({"y": np.full((16, 24), 11)}, "target ids in [0, 11)"),
+        ({"x": np.full((16, 24), 12)}, "the data's largest token id is 12"),  # inputs too: no IndexError
     ],
 )
 def test_bad_masks_and_targets_are_refused_before_training(make_cfg, tmp_path, arrays, hint):

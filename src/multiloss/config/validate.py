@@ -118,7 +118,9 @@ def check_node(node: DictConfig, path: str, passed: frozenset[str] = frozenset()
             f"cannot import it ({err.__class__.__name__}: {err})",
         ) from None
     params, open_kwargs = _parameters(target)
-    passed_by_train = _PASSED_BY_TRAIN.get(_qualname(target), set()) | passed
+    # Arguments `train` passes are refused in the config; those a recipe passes (tbptt's vocab_size) may
+    # be set there too (the recipe checks the value), and need not be.
+    passed_by_train = _PASSED_BY_TRAIN.get(_qualname(target), set())
     # What this component supplies to the components configured inside it, by argument name.
     passes_down: dict[str, Any] = getattr(target, "passed_to_components", {}) if inspect.isclass(target) else {}
     hints = _type_hints(target)
@@ -161,7 +163,7 @@ def check_node(node: DictConfig, path: str, passed: frozenset[str] = frozenset()
         missing = [
             n
             for n, p in params.items()
-            if p.default is inspect.Parameter.empty and n not in node and n not in passed_by_train
+            if p.default is inspect.Parameter.empty and n not in node and n not in passed_by_train | passed
         ]
         if missing:
             raise ConfigError(

@@ -20,6 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from multiloss.config import require
+from multiloss.data.streams import TokenStreams
 
 
 class _EpochSampler(StatefulDistributedSampler):
@@ -43,13 +44,15 @@ class ArrayDataModule(L.LightningDataModule):
     """Base for data that fits in memory: subclasses implement `load` and return named tensors.
 
     Batches are dicts of those names (``batch["x"]``, ``batch["y"]``). ``batch_size`` is per rank.
-    ``test_fraction`` holds examples out for ``multiloss-eval``'s test (default 0: no test set); they
-    come off the training examples' end of a fixed permutation, so the validation set and, at 0, the
-    training set stay what they were.
+    ``val_batch_size`` is the validation and test batch (null: ``batch_size``). ``test_fraction``
+    holds examples out for ``multiloss-eval``'s test (default 0: no test set); they come off the
+    training examples' end of a fixed permutation, so the validation set and, at 0, the training set
+    stay what they were. A subclass serving token streams (`multiloss.data.streams.TokenStreams`) sets
+    ``streams``; its loaders then serve those.
 
     Raises:
-        ConfigError: ``batch_size`` < 1, ``num_workers`` < 0, ``val_fraction`` or ``test_fraction``
-            outside [0, 1), or the two leaving no training example.
+        ConfigError: ``batch_size`` or ``val_batch_size`` < 1, ``num_workers`` < 0, ``val_fraction`` or
+            ``test_fraction`` outside [0, 1), or the two leaving no training example.
     """
 
     def __init__(
@@ -62,9 +65,13 @@ class ArrayDataModule(L.LightningDataModule):
         split_seed: int = 0,
         drop_last: bool = False,
         test_fraction: float = 0.0,
+        val_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         require(batch_size >= 1, "batch_size", batch_size, "an integer ≥ 1")
+        require(
+            val_batch_size is None or val_batch_size >= 1, "val_batch_size", val_batch_size, "an integer ≥ 1, or null"
+        )
         require(num_workers >= 0, "num_workers", num_workers, "an integer ≥ 0 (0 loads in the main process)")
         require(0 <= val_fraction < 1, "val_fraction", val_fraction, "a number in [0, 1)")
         require(
@@ -75,6 +82,8 @@ class ArrayDataModule(L.LightningDataModule):
         )
         self.test_fraction = test_fraction
         self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
+        self.val_batch_size = val_batch_size or batch_size
+        self.streams: TokenStreams | None = None  # set by token data read as streams
         self.val_fraction, self.seed, self.split_seed, self.drop_last = val_fraction, seed, split_seed, drop_last
         self.train_set: StackDataset | None = None
         self.val_set: StackDataset | None = None
@@ -107,6 +116,8 @@ class ArrayDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         world_size, rank = self._ranks()
+        if self.streams is not None:
+            return self.streams.loader("train", world_size, rank)
         sampler = _EpochSampler(
             self.train_set,
             trainer_epoch=self._trainer_epoch,
@@ -129,13 +140,15 @@ class ArrayDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        return self._evaluation_loader(self.val_set)
+        return self._evaluation_loader(self.val_set, "val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._evaluation_loader(self.test_set)
+        return self._evaluation_loader(self.test_set, "test")
 
-    def _evaluation_loader(self, dataset: StackDataset) -> DataLoader:
+    def _evaluation_loader(self, dataset: StackDataset, part: str) -> DataLoader:
         world_size, rank = self._ranks()
+        if self.streams is not None:
+            return self.streams.loader(part, world_size, rank)
         # Unrepeated: every example is seen exactly once across ranks (no padding).
         sampler = (
             UnrepeatedDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
@@ -144,7 +157,7 @@ class ArrayDataModule(L.LightningDataModule):
         )
         return DataLoader(
             dataset,
-            batch_size=self.batch_size,
+            batch_size=self.val_batch_size,
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

@@ -1,21 +1,28 @@
 """Text as token sequences for language models: any UTF-8 file, or CPython's own docs (the default).
 
-Two tokenisations, both without a download or a trained tokenizer:
+Three tokenisations, none needing a download or a trained tokenizer (`multiloss.data.vocabulary`):
 
 - ``level=bytes``: the file's UTF-8 bytes, ids 0-255. The vocabulary is fixed (256), so any
   byte-level network fits any file, and a checkpoint continues on another file.
-- ``level=chars``: the file's characters, with the vocabulary built from the whole file (train and
-  validation alike): the sorted set of its characters, id i = the i-th. The id of a character never
-  depends on the train/validation split, on ``seq_len`` or on the order files were read.
+- ``level=chars``: the characters, with the vocabulary built from every file given (training,
+  validation, test alike): the sorted set of their characters, id i = the i-th. The id of a character
+  never depends on the split, on ``seq_len`` or on the order files were read.
+- ``level=words``: the word language model's tokens: each line's whitespace-separated words and an
+  ``<eos>``; the vocabulary is the training text's words in order of first appearance, and a word the
+  training text never had is ``<unk>`` (the text's own when it has one, as Penn Treebank's files do).
 
-The default corpus is CPython's ``pydoc_data.topics`` (≈465k characters, ships with every Python),
-read at the character level. The data module exposes its `Vocabulary` as ``vocab``; the tbptt
-recipe takes it from there (for the network's size, for sampling, and into its checkpoints).
+Two layouts (``layout``): ``sequences`` (windows of ``seq_len + 1`` tokens, shuffled, each a fresh
+sequence: a recipe starts every batch from an empty state) and ``streams`` (`multiloss.data.streams`:
+B contiguous streams read in order, batch t the t-th window of each, so a recipe carries its state
+from one batch into the next — the truncated BPTT of language modelling).
+
+The default corpus is CPython's ``pydoc_data.topics`` (≈465k characters, ships with every Python).
+The data module exposes its `Vocabulary` as ``vocab``; the tbptt recipe takes it from there (for the
+network's size, for sampling, and into its checkpoints), and its ``layout``.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Literal
 
@@ -24,75 +31,10 @@ from torch.utils.data import StackDataset
 
 from multiloss.config import ConfigError, require
 from multiloss.data.arrays import ArrayDataModule
+from multiloss.data.streams import TokenStreams
+from multiloss.data.vocabulary import Vocabulary, pydoc_text, words_of
 
-
-@functools.cache
-def pydoc_text() -> str:
-    """The default corpus: every ``pydoc_data.topics`` entry, in sorted-key order (each ends with a newline)."""
-    from pydoc_data.topics import topics
-
-    return "".join(topics[key] for key in sorted(topics))
-
-
-class Vocabulary:
-    """Token ids <-> text. Three kinds, each saved in a checkpoint as one plain value (`spec`):
-
-    - UTF-8 bytes (``spec`` None): 256 ids, any text encodes;
-    - characters (``spec`` a string): id i is the i-th character of ``chars``;
-    - opaque ids (``spec`` an int n): ids 0..n-1 with no text behind them (a user's own tokens); text
-      is written as space-separated ids.
-    """
-
-    def __init__(self, spec: str | int | None = None) -> None:
-        if isinstance(spec, bool) or not (spec is None or isinstance(spec, str | int)):
-            raise TypeError(f"a vocabulary is None (bytes), a string of characters or a size, not {spec!r}")
-        self.spec = spec
-        self.index = {ch: i for i, ch in enumerate(spec)} if isinstance(spec, str) else {}
-
-    @classmethod
-    def from_text(cls, text: str) -> Vocabulary:
-        """The sorted set of ``text``'s characters."""
-        return cls("".join(sorted(set(text))))
-
-    @property
-    def kind(self) -> str:
-        return "bytes" if self.spec is None else "chars" if isinstance(self.spec, str) else "ids"
-
-    def __len__(self) -> int:
-        return 256 if self.spec is None else len(self.spec) if isinstance(self.spec, str) else self.spec
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Vocabulary) and other.spec == self.spec
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"Vocabulary({self.kind}, {len(self)} ids)"
-
-    def unknown(self, text: str) -> list[str]:
-        """The parts of ``text`` this vocabulary cannot encode (characters, or non-id words)."""
-        if self.kind == "chars":
-            return sorted(set(text) - set(self.index))
-        if self.kind == "ids":
-            return [w for w in text.split() if not (w.isdigit() and int(w) < len(self))]
-        return []
-
-    def encode(self, text: str) -> torch.Tensor:
-        if self.kind == "bytes":
-            ids = list(text.encode("utf-8"))
-        elif self.kind == "chars":
-            ids = [self.index[ch] for ch in text]
-        else:
-            ids = [int(w) for w in text.split()]
-        return torch.tensor(ids, dtype=torch.long)
-
-    def decode(self, ids: torch.Tensor | list[int]) -> str:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        if self.kind == "bytes":
-            return bytes(ids).decode("utf-8", errors="replace")
-        if self.kind == "chars":
-            return "".join(self.spec[i] for i in ids)  # type: ignore[index]
-        return " ".join(map(str, ids))
+__all__ = ["TextDataModule", "Vocabulary", "pydoc_text", "windows"]
 
 
 def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -106,92 +48,162 @@ def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 class TextDataModule(ArrayDataModule):
-    """Token sequences of a text: ``x`` = ids[:, :-1], ``y`` = ids[:, 1:] (the next token), each ``(batch, seq_len)``.
+    """Token sequences of a text: ``x`` = ids[:-1], ``y`` = ids[1:] (the next token), each ``(batch, length)``.
 
-    ``path``: a text file (``level=chars`` needs UTF-8; ``level=bytes`` reads any file), or null for
-    CPython's ``pydoc_data`` docs. Examples are windows of ``seq_len + 1`` tokens. The held-out
-    validation slice is the last ``val_fraction`` of the text (a contiguous tail, cut before
-    windowing): the same tokens whatever ``seq_len`` is, so validation bits per token are
-    comparable across ``seq_len`` and chunk lengths, and no window straddles the cut. The training
-    windows keep the base class's loaders: order a function of (seed, epoch), rank-sharded,
-    resumable mid-epoch. ``vocab`` is the text's `Vocabulary`.
+    ``path``: the training text (``level=chars`` and ``words`` need UTF-8; ``level=bytes`` reads any
+    file), or null for CPython's ``pydoc_data`` docs. ``val_path`` / ``test_path``: the validation and
+    test texts; without ``val_path`` the validation text is the last ``val_fraction`` (default 0.1) of
+    the training text, a contiguous tail cut before windowing: the same tokens whatever ``seq_len``
+    is, so validation scores are comparable across ``seq_len`` and chunk lengths.
+
+    ``layout=sequences``: examples are windows of ``seq_len + 1`` tokens; the training windows keep the
+    base class's loaders (order a function of (seed, epoch), rank-sharded, resumable mid-epoch).
+    ``layout=streams``: ``batch_size`` streams per rank (``val_batch_size`` for validation and test),
+    read window by window in order (`multiloss.data.streams`); ``shuffle`` does not apply.
 
     Raises:
-        ConfigError: ``path`` missing, or not UTF-8 with ``level=chars``; ``seq_len`` < 1, or so long
-            that the training or validation slice holds no complete sequence; the base class's checks.
+        ConfigError: a file missing or empty, or not UTF-8 with ``level=chars``/``words``; ``seq_len`` < 1,
+            or so long that the training or validation text holds no complete sequence (sequences), or too
+            many streams for the text (streams); ``val_fraction`` with ``val_path``; ``shuffle=true`` with
+            streams; the base class's checks.
     """
 
     def __init__(
         self,
         path: str | None = None,
-        level: Literal["bytes", "chars"] = "bytes",
+        level: Literal["bytes", "chars", "words"] = "bytes",
+        layout: Literal["sequences", "streams"] = "sequences",
         seq_len: int = 128,
         batch_size: int = 64,
-        shuffle: bool = True,
+        val_batch_size: int | None = None,
+        shuffle: bool | None = None,
         num_workers: int = 0,
-        val_fraction: float = 0.1,
+        val_fraction: float | None = None,
+        val_path: str | None = None,
+        test_path: str | None = None,
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        require(
+            val_path is None or not val_fraction,
+            "val_fraction",
+            val_fraction,
+            f"null or 0 with data.val_path={val_path} (the validation text is that file)",
+        )
+        require(
+            layout == "sequences" or shuffle is not True,
+            "shuffle",
+            shuffle,
+            "null or false with layout=streams: streams are read in order, every window after the one before",
+        )
+        val_fraction = (0.0 if val_path is not None else 0.1) if val_fraction is None else val_fraction
         super().__init__(
             batch_size=batch_size,
-            shuffle=shuffle,
+            val_batch_size=val_batch_size,
+            shuffle=shuffle is not False,
             num_workers=num_workers,
             val_fraction=val_fraction,
             seed=seed,
             drop_last=drop_last,
         )
         require(seq_len >= 1, "seq_len", seq_len, "an integer ≥ 1 (tokens per training sequence)")
-        require(level in ("bytes", "chars"), "level", level, "bytes (UTF-8 bytes, 256 ids) or chars")
-        self.path, self.level, self.seq_len = path, level, seq_len
+        require(level in ("bytes", "chars", "words"), "level", level, "bytes (UTF-8 bytes, 256 ids), chars or words")
+        require(layout in ("sequences", "streams"), "layout", layout, "sequences or streams")
+        self.path, self.level, self.layout, self.seq_len = path, level, layout, seq_len
         # Read and checked here, not in setup(): a rejected run must fail before any file is written.
-        ids, self.vocab = self._read()
-        cut = len(ids) - round(len(ids) * val_fraction)
-        self.train_ids, self.val_ids = ids[:cut], ids[cut:]
-        for part, ids in (("training", self.train_ids), ("validation", self.val_ids)):
-            if part == "validation" and val_fraction == 0:
+        texts = {"train": self._read(path, "path")}
+        for part, part_path, key in (("val", val_path, "val_path"), ("test", test_path, "test_path")):
+            if part_path is not None:
+                texts[part] = self._read(part_path, key)
+        self.vocab = self._vocabulary(texts)
+        self.ids = {part: self._encode(text) for part, text in texts.items()}
+        if val_path is None:
+            cut = len(self.ids["train"]) - round(len(self.ids["train"]) * val_fraction)
+            self.ids["train"], self.ids["val"] = self.ids["train"][:cut], self.ids["train"][cut:]
+        if layout == "streams":
+            parts = {part: ids for part, ids in self.ids.items() if part == "train" or len(ids)}
+            self.streams = TokenStreams(parts, batch_size, self.val_batch_size, seq_len)
+            return
+        for part, ids in self.ids.items():
+            if part == "val" and val_fraction == 0 and val_path is None:
                 continue
             require(
                 len(ids) > seq_len,
                 "seq_len",
                 seq_len,
-                f"at most {len(ids) - 1} (the {part} slice holds {len(ids)} tokens; "
-                f"lower seq_len or change data.val_fraction)",
+                f"at most {len(ids) - 1} (the {part} text holds {len(ids)} tokens; "
+                f"lower seq_len{', or change data.val_fraction' if val_path is None else ''})",
                 f"no complete {part} sequence",
             )
 
-    def _read(self) -> tuple[torch.Tensor, Vocabulary]:
-        if self.path is None:
-            text = pydoc_text()
-        else:
-            require(Path(self.path).is_file(), "path", self.path, "an existing text file", "no such file")
-            raw = Path(self.path).read_bytes()
-            require(len(raw) > 0, "path", self.path, "a non-empty text file", "the file is empty")
-            if self.level == "bytes":
-                return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), Vocabulary(None)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ConfigError(
-                    "path",
-                    self.path,
-                    "a UTF-8 text file with level=chars, or data.level=bytes (any file)",
-                    f"not UTF-8: {err.reason} at byte {err.start}",
-                ) from None
-        vocab = Vocabulary(None) if self.level == "bytes" else Vocabulary.from_text(text)
-        return vocab.encode(text), vocab
+    @property
+    def train_ids(self) -> torch.Tensor:
+        return self.ids["train"]
+
+    @property
+    def val_ids(self) -> torch.Tensor:
+        return self.ids["val"]
+
+    def _read(self, path: str | None, key: str) -> str | bytes:
+        """The file's text (bytes at ``level=bytes``), or the pydoc corpus."""
+        if path is None:
+            return pydoc_text().encode("utf-8") if self.level == "bytes" else pydoc_text()
+        require(Path(path).is_file(), key, path, "an existing text file", "no such file")
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as err:
+            raise ConfigError(key, path, "a text file this process can read", f"cannot read it: {err}") from None
+        require(len(raw) > 0, key, path, "a non-empty text file", "the file is empty")
+        if self.level == "bytes":
+            return raw
+        try:
+            # As open(path, encoding="utf-8") reads it: universal newlines (\r\n and \r become \n).
+            return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                key,
+                path,
+                f"a UTF-8 text file with level={self.level}, or data.level=bytes (any file)",
+                f"not UTF-8: {err.reason} at byte {err.start}",
+            ) from None
+
+    def _vocabulary(self, texts: dict[str, str | bytes]) -> Vocabulary:
+        if self.level == "bytes":
+            return Vocabulary(None)
+        if self.level == "chars":
+            return Vocabulary.from_text("".join(texts.values()))  # type: ignore[arg-type]
+        if "val" in texts:  # words: the training file's
+            return Vocabulary.from_words(words_of(texts["train"]))  # type: ignore[arg-type]
+        # One text, split at its tail: the words of the part trained on.
+        words = words_of(texts["train"])  # type: ignore[arg-type]
+        val_fraction = self.val_fraction
+        return Vocabulary.from_words(words[: len(words) - round(len(words) * val_fraction)])
+
+    def _encode(self, text: str | bytes) -> torch.Tensor:
+        if self.level == "bytes":
+            return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # type: ignore[arg-type]
+        if self.level == "words":
+            return self.vocab.encode_words(words_of(text))  # type: ignore[arg-type]
+        return self.vocab.encode(text)  # type: ignore[arg-type]
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id in the data (every id is the vocabulary's by construction)."""
+        return max(int(ids.max()) for ids in self.ids.values() if len(ids))
 
     def load(self) -> dict[str, torch.Tensor]:
-        """All windows as ``x`` and ``y``: the training slice's first, then the validation slice's."""
-        train, val = windows(self.train_ids, self.seq_len), windows(self.val_ids, self.seq_len)
+        """All windows as ``x`` and ``y``: the training text's first, then the validation text's."""
+        train, val = windows(self.ids["train"], self.seq_len), windows(self.ids["val"], self.seq_len)
         self.n_train = len(train)
         seqs = torch.cat([train, val])
         return {"x": seqs[:, :-1], "y": seqs[:, 1:]}
 
     def setup(self, stage: str | None = None) -> None:
-        # Not the base class's random split of examples: the validation slice is the text's tail.
-        if self.train_set is not None:
+        # Not the base class's random split of examples: the validation text is its own.
+        if self.train_set is not None or self.streams is not None:
             return
         arrays = self.load()
         self.train_set = StackDataset(**{k: v[: self.n_train] for k, v in arrays.items()})
         self.val_set = StackDataset(**{k: v[self.n_train :] for k, v in arrays.items()})
+        test = windows(self.ids.get("test", self.ids["train"][:0]), self.seq_len)
+        self.test_set = StackDataset(x=test[:, :-1], y=test[:, 1:])
