@@ -2,7 +2,7 @@
 
     python benchmarks/memory.py                    # CPU: every law
     python benchmarks/memory.py --device cuda
-    python benchmarks/memory.py --laws tbptt heads
+    python benchmarks/memory.py --laws tbptt validation heads
 
 - **tbptt**: truncated BPTT's peak memory is flat in the sequence length (one chunk's graph at a
   time), full BPTT's grows with it. ``recipe=tbptt`` through ``multiloss.train``, one batch of 4
@@ -10,6 +10,11 @@
   ``model.chunk_length=<seq_len>`` (one backward through the whole sequence).
 - **accumulation**: k micro-batches of B/k hold about 1/k of the activations of one batch of B.
   ``recipe=accumulation`` with a wide MLP (width 2048, depth 4), B = 1024, k = 1, 2, 4, 8.
+- **validation**: tbptt's validation over continuous streams is flat in the streams' length (window by
+  window, chunk by chunk, the state carried), where one forward over each whole stream holds logits of
+  streams × length × vocabulary. ``recipe=tbptt`` on ``data=npz`` token streams, a 15k vocabulary, 10
+  validation streams of 1.5k … 12k tokens (``Trainer.validate``), against that one forward (the
+  recipe's net, no gradient) up to the length this machine holds.
 - **heads**: N heads' losses summed and backpropagated once cost about one backward, in time and
   memory, against N ``backward(retain_graph=True)`` calls (plain PyTorch, a trunk of 6 dense blocks of
   width 1024 and N linear heads, batch 256).
@@ -37,11 +42,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAWS = ("tbptt", "accumulation", "heads")
+LAWS = ("tbptt", "validation", "accumulation", "heads")
 SEQ_LENS = (1024, 4096, 16384, 32768)
 FULL_BPTT_SEQ_LENS = (1024, 4096, 16384)  # 32k full BPTT holds ~2.5 GB of graph: slow on a small CPU
 ACCUMULATION_K = (1, 2, 4, 8)
 HEADS = (1, 2, 4, 8)
+VOCAB, VAL_STREAMS = 15_000, 10
+VAL_LENGTHS = (1536, 3072, 6144, 12288)
+WHOLE_FORWARD_LENGTHS = (1536, 3072, 6144)  # 12k: 7.2 GB of logits alone
 
 
 # --- inside a case's process ----------------------------------------------------------------------
@@ -177,6 +185,64 @@ def run_recipe_case(device: str, overrides: list[str]) -> dict[str, float]:
     return {"peak": meter.peak_above(), "saved": saved.peak, "seconds": seconds}
 
 
+def run_validation_case(device: str, length: int, whole: bool) -> dict[str, float]:
+    """Validation of ``VAL_STREAMS`` streams of ``length`` tokens: the recipe's, or one forward per whole stream."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+    import lightning as L
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from multiloss.data.streams import batchify
+    from multiloss.testing import build, compose
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    meter = Meter(device)
+    with tempfile.TemporaryDirectory() as out:
+        files = {"train": Path(out) / "train.npz", "val": Path(out) / "val.npz"}
+        np.savez(files["train"], x=rng.integers(0, VOCAB, 20_000), vocab_size=np.int64(VOCAB))
+        np.savez(files["val"], x=rng.integers(0, VOCAB, VAL_STREAMS * length + 1), vocab_size=np.int64(VOCAB))
+        cfg = compose(
+            "recipe=tbptt",
+            "data=npz",
+            f"data.path={files['train']}",
+            f"data.val_path={files['val']}",
+            "data.layout=streams",
+            "data.batch_size=10",
+            f"data.val_batch_size={VAL_STREAMS}",
+            "data.seq_len=35",
+            "model.chunk_length=35",
+            output_dir=out,
+        )
+        datamodule, module = build(cfg)
+        module = module.to(device)
+        start = time.perf_counter()
+        if whole:
+            rows = batchify(datamodule.streams.ids["val"], VAL_STREAMS).to(device)
+            meter.start()
+            with torch.no_grad():
+                logits, _ = module.net(rows[:, :-1], None)
+                F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        else:
+
+            class StartMeter(L.Callback):
+                def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+                    if batch_idx == 0:
+                        meter.start()
+
+            L.Trainer(
+                accelerator="gpu" if device == "cuda" else "cpu",
+                devices=1,
+                logger=False,
+                callbacks=[StartMeter()],
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            ).validate(module, datamodule=datamodule, verbose=False)
+        seconds = time.perf_counter() - start
+    return {"peak": meter.peak_above(), "saved": 0, "seconds": seconds}
+
+
 def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> dict[str, float]:
     """One training step's backward of ``heads`` heads: summed once, or one retain_graph backward each."""
     sys.path[:0] = [str(ROOT / "src")]
@@ -253,6 +319,21 @@ def tbptt_law(device: str) -> None:
         print(f"| {seq_len} | {both(truncated)} | {full} |", flush=True)
 
 
+def validation_law(device: str) -> None:
+    print(f"\n**Validation**: {VAL_STREAMS} streams of L tokens, a {VOCAB:,}-word vocabulary, the recipe's LSTM")
+    print("(char_lstm: embedding 48, hidden 192); MiB peak above the start, seconds\n")
+    print("| L (tokens a stream) | recipe: window by window | one forward over each whole stream |")
+    print("|---:|---:|---:|")
+    for length in VAL_LENGTHS:
+        windowed = case(device, "validation", str(length), "windowed")
+        whole = case(device, "validation", str(length), "whole") if length in WHOLE_FORWARD_LENGTHS else None
+        print(
+            f"| {length:,} | {mib(windowed['peak'])} MiB, {windowed['seconds']:.1f} s | "
+            + (f"{mib(whole['peak'])} MiB, {whole['seconds']:.1f} s |" if whole else "(not run) |"),
+            flush=True,
+        )
+
+
 def accumulation_law(device: str) -> None:
     print("\n**Accumulation**: 1024 examples per optimizer step as k micro-batches of 1024/k, MLP width 2048 depth 4,")
     print("MiB saved for backward at most (the activations) and peak above the start (gradients, the same for every k,")
@@ -303,6 +384,9 @@ def main() -> None:
     if args.case == "recipe":
         print(json.dumps(run_recipe_case(args.device, rest)))
         return
+    if args.case == "validation":
+        print(json.dumps(run_validation_case(args.device, int(rest[0]), rest[1] == "whole")))
+        return
     if args.case == "heads":
         print(json.dumps(run_heads_case(args.device, int(rest[0]), rest[1] == "summed")))
         return
@@ -311,7 +395,8 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()}, {os.cpu_count()} cores"
     print(f"Machine: {where}; torch {torch.__version__}; 1 torch CPU thread; fp32.")
     for law in args.laws:
-        {"tbptt": tbptt_law, "accumulation": accumulation_law, "heads": heads_law}[law](args.device)
+        laws = {"tbptt": tbptt_law, "validation": validation_law, "accumulation": accumulation_law, "heads": heads_law}
+        laws[law](args.device)
 
 
 if __name__ == "__main__":

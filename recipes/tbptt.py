@@ -111,9 +111,9 @@ class TruncatedBPTT(Recipe):
     ``count_exact=True`` is the reference). Under DDP the ranks' batches must split into the same
     number of chunks (one length), as the step count already requires.
 
-    Logs ``loss/ce`` (nats per scored token, over the batch) and ``train/bpc`` per step;
-    ``val/loss/ce``, ``val/ppl`` (perplexity, torchmetrics) and, for bytes and characters, ``val/bpc``
-    (cross-entropy / ln 2: bits per character, or per byte) per validation. Validation runs chunk by
+    Logs ``loss/ce`` (nats per scored token, over the batch) per step, ``val/loss/ce`` and ``val/ppl``
+    (perplexity, torchmetrics) per validation, and for bytes and characters ``train/bpc`` and
+    ``val/bpc`` too (cross-entropy / ln 2: bits per character, or per byte). Validation runs chunk by
     chunk with the state carried (across batches too with ``carry_state``): its memory is that of one
     chunk, whatever the length of the sequences or streams (the scores are those of one forward over
     the whole sequence). At each epoch end, rank zero writes ``samples/epoch_NNN.txt``:
@@ -352,7 +352,8 @@ class TruncatedBPTT(Recipe):
         self.carried = hidden if self.carry_state else None
         ce = nll_sum / tokens.sum().clamp(min=1)
         self.log_losses({"ce": ce}, batch_size=len(y))
-        self.log_train_values(("train/bpc",), (ce / LN2).reshape(1))
+        if self.val_bpc is not None:  # bits per character: bytes and characters only
+            self.log_train_values(("train/bpc",), (ce / LN2).reshape(1))
 
     @staticmethod
     def scored_targets(batch: dict[str, Any]) -> torch.Tensor:

@@ -121,6 +121,44 @@ def test_a_component_option_selects_the_whole_node(tmp_path):
     assert set(cfg.model.tasks) == {"shape", "big", "area"}
 
 
+RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
+
+
+def test_a_recipe_sets_only_its_model():
+    """The audit: a recipe picks its groups' defaults and fills ``model``; it forces no data.* or trainer.* key
+    (its Trainer settings are configs/recipe_defaults/<recipe>.yaml, below the user's options)."""
+    import yaml
+
+    for recipe in RECIPES:
+        keys = set(yaml.safe_load((CONFIG_DIR / "recipe" / f"{recipe}.yaml").read_text()))
+        assert keys == {"defaults", "model"}, (recipe, keys)
+        assert (CONFIG_DIR / "recipe_defaults" / f"{recipe}.yaml").is_file()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_users_options_keep_their_values_over_the_recipes_defaults(tmp_path, recipe):
+    """A data option of the user's that sets batch_size, and a trainer option that sets max_epochs, keep them
+    under every recipe; a trainer option that does not set max_epochs gets the recipe's; the command line
+    beats both."""
+    mine = tmp_path / "my_configs"
+    (mine / "data").mkdir(parents=True)
+    (mine / "trainer").mkdir()
+    (mine / "data" / "my_text.yaml").write_text("defaults:\n  - text\n  - _self_\nbatch_size: 20\nseq_len: 35\n")
+    (mine / "trainer" / "my_trainer.yaml").write_text("defaults:\n  - default\n  - _self_\nmax_epochs: 6\n")
+    (mine / "trainer" / "my_precision.yaml").write_text("defaults:\n  - default\n  - _self_\nprecision: 32-true\n")
+    compose = lambda *o: testing.compose(f"recipe={recipe}", *o, config_dir=mine, output_dir=tmp_path / "run")  # noqa: E731
+    recipe_epochs = compose().trainer.max_epochs
+    assert isinstance(recipe_epochs, int) and recipe_epochs != 6
+    cfg = compose("data=my_text", "trainer=my_trainer")
+    assert (cfg.data.batch_size, cfg.data.seq_len, cfg.trainer.max_epochs) == (20, 35, 6)
+    assert compose("trainer=my_precision").trainer.max_epochs == recipe_epochs
+    assert (
+        compose("trainer=my_trainer", "trainer.max_epochs=2", "data=my_text", "data.batch_size=8").trainer.max_epochs
+        == 2
+    )
+    assert compose("data=my_text", "data.batch_size=8").data.batch_size == 8
+
+
 @pytest.mark.parametrize("recipe", ["multihead", "tbptt"])
 def test_debug_fast_runs_validation_too(make_cfg, tmp_path, recipe):
     """debug=fast: a few steps of everything, validation included, though 10 steps end before any epoch."""

@@ -9,6 +9,7 @@ import torch
 from multiloss.batches import as_dict
 from multiloss.config import ConfigError
 from multiloss.data import DigitPairsDataModule, DigitsDataModule, NpzDataModule, TextDataModule
+from multiloss.data.vocabulary import Vocabulary
 
 
 def _order(loader) -> list[int]:
@@ -219,3 +220,126 @@ def test_batches_may_be_dicts_tuples_or_tensors():
     assert set(as_dict((x,))) == {"x"} and as_dict(x)["x"] is x
     with pytest.raises(ConfigError, match="cannot tell which item is which"):
         as_dict((x, y, y))
+
+
+# --- word level, separate validation and test files, token data in an npz -------------------------
+
+
+class _Dictionary:
+    """The word language model's dictionary, written from its description: a word gets the next id when first seen."""
+
+    def __init__(self) -> None:
+        self.word2idx: dict[str, int] = {}
+
+    def add_word(self, word: str) -> int:
+        return self.word2idx.setdefault(word, len(self.word2idx))
+
+
+def _corpus_ids(dictionary: _Dictionary, path) -> list[int]:
+    """Its tokenize(): every line's words and <eos>, each added to the dictionary, then their ids."""
+    with open(path, encoding="utf8") as f:
+        words = [w for line in f for w in [*line.split(), "<eos>"]]
+    return [dictionary.add_word(w) for w in words]
+
+
+def test_words_are_the_word_language_models_tokens(tmp_path):
+    files = {
+        "train": "the cat sat\n\n  on the   mat\nthe end",  # an empty line, runs of spaces, no final newline
+        "valid": "the cat\non the mat\n",
+        "test": "sat the end\n",
+    }
+    for name, text in files.items():
+        (tmp_path / f"{name}.txt").write_text(text)
+    reference = _Dictionary()
+    expected = {name: _corpus_ids(reference, tmp_path / f"{name}.txt") for name in files}
+    dm = TextDataModule(
+        str(tmp_path / "train.txt"),
+        level="words",
+        val_path=str(tmp_path / "valid.txt"),
+        test_path=str(tmp_path / "test.txt"),
+        seq_len=2,
+        batch_size=1,
+    )
+    assert dm.vocab.spec[: len(reference.word2idx)] == list(reference.word2idx)
+    assert dm.vocab.spec[-1] == "<unk>" and len(dm.vocab) == len(reference.word2idx) + 1  # the training text has none
+    for part, name in (("train", "train"), ("val", "valid"), ("test", "test")):
+        assert dm.ids[part].tolist() == expected[name], part
+    # A word the training text never had is <unk>; words decode joined by spaces.
+    (tmp_path / "odd.txt").write_text("the dog\n")
+    odd = TextDataModule(str(tmp_path / "train.txt"), level="words", val_path=str(tmp_path / "odd.txt"), seq_len=1)
+    assert odd.vocab.decode(odd.ids["val"]) == "the <unk> <eos>"
+
+
+def test_a_text_with_its_own_unk_keeps_it(tmp_path):
+    (tmp_path / "ptb.txt").write_text(" the <unk> sat \n the cat <unk> \n" * 10)
+    dm = TextDataModule(str(tmp_path / "ptb.txt"), level="words", seq_len=4, val_fraction=0.2)
+    assert dm.vocab.spec == ["the", "<unk>", "sat", "<eos>", "cat"]  # no second unknown token
+
+
+def test_validation_and_test_files_replace_the_split(tmp_path):
+    (tmp_path / "a.txt").write_text("abcdefgh" * 20)
+    (tmp_path / "b.txt").write_text("hgfedcba" * 5)
+    dm = TextDataModule(str(tmp_path / "a.txt"), level="chars", val_path=str(tmp_path / "b.txt"), seq_len=8)
+    assert len(dm.ids["train"]) == 160 and dm.vocab.decode(dm.ids["val"][:8]) == "hgfedcba"
+    dm.setup("fit")
+    assert len(dm.train_set) == 19 and len(dm.val_set) == 4
+    with pytest.raises(ConfigError) as err:
+        TextDataModule(str(tmp_path / "a.txt"), val_path=str(tmp_path / "b.txt"), val_fraction=0.1)
+    assert err.value.key == "val_fraction"
+    with pytest.raises(ConfigError) as err:
+        TextDataModule(str(tmp_path / "a.txt"), val_path=str(tmp_path / "missing.txt"))
+    assert err.value.key == "val_path"
+    with pytest.raises(ConfigError) as err:
+        TextDataModule(str(tmp_path / "a.txt"), layout="streams", shuffle=True)
+    assert err.value.key == "shuffle"
+    with pytest.raises(ConfigError) as err:
+        TextDataModule(str(tmp_path / "a.txt"), layout="streams", batch_size=100, seq_len=4)
+    assert err.value.key == "batch_size" and "at most 72 streams" in err.value.message
+
+
+def test_token_ids_in_an_npz_name_their_vocabulary(tmp_path):
+    ids = np.arange(300) % 13
+    np.savez(tmp_path / "named.npz", x=ids, vocab_size=np.int64(13))
+    np.savez(tmp_path / "words.npz", x=ids % 3, vocab=np.array(["a", "b", "c"]))
+    np.savez(tmp_path / "plain.npz", x=ids)
+    named = NpzDataModule(str(tmp_path / "named.npz"), layout="streams", seq_len=5, batch_size=2)
+    assert named.vocab == Vocabulary(13) and named.max_token_id == 12 and "vocab_size" not in named.arrays
+    words = NpzDataModule(str(tmp_path / "words.npz"), layout="streams", seq_len=5, batch_size=2)
+    assert words.vocab.decode([2, 0]) == "c a"
+    plain = NpzDataModule(str(tmp_path / "plain.npz"), layout="streams", seq_len=5, batch_size=2)
+    assert plain.vocab is None and plain.max_token_id == 12
+    plain.setup("fit")
+    first = next(iter(plain.train_dataloader()))
+    # The last 10% (30 ids) is the validation corpus: 270 ids train, 2 streams of 135.
+    assert first["x"].tolist() == [list(ids[:5]), list(ids[135:140])] and first["y"][0, 0] == ids[1]
+    assert plain.streams.ids["val"].tolist() == list(ids[270:])
+    np.savez(tmp_path / "bad.npz", x=ids, vocab_size=np.float32(13.0))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        NpzDataModule(str(tmp_path / "bad.npz"))
+    with pytest.raises(ConfigError) as err:
+        NpzDataModule(str(tmp_path / "plain.npz"), layout="streams")
+    assert err.value.key == "seq_len"
+
+
+def test_npz_validation_and_test_files(tmp_path):
+    make = lambda n, seed: {"x": np.random.default_rng(seed).normal(size=(n, 3)), "y": np.arange(n) % 2}  # noqa: E731
+    for name, (n, seed) in {"train": (20, 0), "val": (6, 1), "test": (4, 2)}.items():
+        np.savez(tmp_path / f"{name}.npz", **make(n, seed))
+    dm = NpzDataModule(
+        str(tmp_path / "train.npz"), val_path=str(tmp_path / "val.npz"), test_path=str(tmp_path / "test.npz")
+    )
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (20, 6, 4)  # no random split
+    assert np.allclose(dm.val_set[:]["x"].numpy(), make(6, 1)["x"])
+    np.savez(tmp_path / "other.npz", x=np.zeros((3, 2)), y=np.zeros(3))
+    with pytest.raises(ConfigError):
+        NpzDataModule(str(tmp_path / "train.npz"), val_path=str(tmp_path / "other.npz")).setup("fit")
+
+
+def test_rename_onto_an_array_the_file_already_has_is_refused(tmp_path):
+    np.savez(tmp_path / "both.npz", features=np.zeros((4, 2)), x=np.ones((4, 2)), y=np.zeros(4))
+    with pytest.raises(ConfigError) as err:
+        NpzDataModule(str(tmp_path / "both.npz"), rename={"features": "x"})
+    assert err.value.key == "rename.features" and "one of the two would be lost" in err.value.message
+    renamed = NpzDataModule(str(tmp_path / "both.npz"), rename={"features": "x", "x": "extra"})
+    assert renamed.arrays["x"].sum() == 0 and renamed.arrays["extra"].sum() == 8  # both kept

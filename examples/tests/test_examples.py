@@ -24,13 +24,16 @@ from multiloss.recipes.multihead import MultiHead
 from multiloss.recipes.tbptt import TruncatedBPTT
 from multiloss.recipes.weighted import WeightedMultiTask
 from mypkg.data import write_all
+from mypkg.word_corpus import write_corpus
 
 from multiloss import testing, train
+from multiloss.data import TextDataModule
 
 EXAMPLES = Path(__file__).resolve().parents[1]
 ROOT = EXAMPLES.parent
 CONFIGS = EXAMPLES / "configs"
 NOTES = EXAMPLES / "data" / "notes.txt"
+WORDS = EXAMPLES / "data" / "words"
 
 # name -> (the command line's choices, the loss columns its metrics.csv must hold)
 RUNS = {
@@ -47,6 +50,10 @@ RUNS = {
     "moons_accumulation": (
         ("recipe=accumulation", "net=small_mlp", "data=npz", "data.path={moons}", "data.batch_size=16"),
         {"loss/total", "val/acc"},
+    ),
+    "word_lm": (
+        ("recipe=tbptt", "experiment=word_lm", "model.net.ninp=16", "model.net.nhid=16"),
+        {"loss/ce", "val/ppl", "lr-SGD"},
     ),
 }
 RECIPES = {
@@ -79,7 +86,9 @@ def _train_cli(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
     quiet = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false")
     command = [sys.executable, str(ROOT / "train.py"), "--config-dir", str(CONFIGS), *quiet, *overrides]
-    return subprocess.run([*command, f"hydra.run.dir={out}"], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [*command, f"hydra.run.dir={out}"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 @pytest.mark.slow
@@ -99,7 +108,7 @@ def test_example_trains_from_the_command_line_and_its_checkpoint_loads(name, dat
     loaded = recipe.load_from_checkpoint(ckpt_path, map_location="cpu")  # no extra argument
     for key, value in ckpt["state_dict"].items():
         assert torch.equal(loaded.state_dict()[key], value), key
-    assert type(getattr(loaded, "net", getattr(loaded, "generator", None))).__module__ == "mypkg.nets"
+    assert type(getattr(loaded, "net", getattr(loaded, "generator", None))).__module__.startswith("mypkg.")
 
 
 def _build(name: str, data: dict[str, Path], *overrides: str):
@@ -196,8 +205,7 @@ def test_gru_tbptt_equals_the_detach_loop(data, chunk, every):
 
 
 def test_moons_accumulation_equals_one_big_batch(data):
-    _, datamodule, module = _build("moons_accumulation", data)
-    assert module.accumulate_grad_batches == 4  # the recipe's default k
+    _, datamodule, module = _build("moons_accumulation", data, "model.accumulate_grad_batches=4")
     (grads,) = testing.step_gradients(module, datamodule)
     datamodule.setup("fit")
     micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
@@ -218,3 +226,78 @@ def test_resume_with_user_components_is_exact(data, tmp_path):
     a = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     b = torch.load(resumed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the word language model (experiment=word_lm) -------------------------------------------------------
+
+# The shipped corpus by absolute path: the experiment's own paths are relative to the repository's root.
+WORD_FILES = tuple(
+    f"data.{key}={WORDS / name}"
+    for key, name in (("path", "train.txt"), ("val_path", "valid.txt"), ("test_path", "test.txt"))
+)
+
+
+def _script_corpus(directory: Path) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """word_language_model's Corpus, from its description: each file's lines split on whitespace plus
+    ``<eos>``, every word added to one dictionary (train, then valid, then test) in order of first sight."""
+    dictionary: dict[str, int] = {}
+    ids = {}
+    for part in ("train", "valid", "test"):
+        with open(directory / f"{part}.txt", encoding="utf8") as f:
+            words = [w for line in f for w in [*line.split(), "<eos>"]]
+        ids[part] = [dictionary.setdefault(w, len(dictionary)) for w in words]
+    return dictionary, ids
+
+
+def test_the_word_corpus_reads_as_the_scripts_corpus():
+    """Its Corpus adds valid's and test's words to the dictionary; data.level=words takes train's (and <unk>
+    for the rest). On the shipped corpus, as on WikiText, they are the same ids: no word of valid or test
+    is missing from train."""
+    dm = TextDataModule(
+        str(WORDS / "train.txt"),
+        val_path=str(WORDS / "valid.txt"),
+        test_path=str(WORDS / "test.txt"),
+        level="words",
+        layout="streams",
+        seq_len=35,
+        batch_size=20,
+    )
+    dictionary, ids = _script_corpus(WORDS)
+    assert dm.vocab.spec == list(dictionary) and len(dm.vocab) == 1640
+    for part, key in (("train", "train"), ("valid", "val"), ("test", "test")):
+        assert dm.ids[key].tolist() == ids[part], part
+
+
+def test_the_corpus_script_writes_wikitext_shaped_files(tmp_path):
+    """From this Python's documentation (the shipped files are Python 3.11's): every valid/test word is a
+    train word, rare words are <unk>, no blank line."""
+    paths = write_corpus(tmp_path)
+    words = {part: path.read_text(encoding="utf-8").split() for part, path in paths.items()}
+    assert len(words["train"]) > 50_000 and "<unk>" in words["train"]
+    assert set(words["valid"]) | set(words["test"]) <= set(words["train"])
+    assert all(line.strip() for path in paths.values() for line in path.read_text(encoding="utf-8").splitlines())
+
+
+def test_the_word_lm_steps_are_the_scripts_steps():
+    """The user's RNNModel (dropout 0: the same draws on both sides) under recipe=tbptt and under the script's
+    train() loop written out (`testing.stream_gradients`): batchify into 20 streams, windows of 35, one
+    backward per window from the carried state, the gradient clipped to norm 0.25, SGD at lr 20. The first
+    window starts empty, the next ones from the carried state, to the epoch's last (shorter) window."""
+    cfg = testing.compose(
+        "experiment=word_lm",
+        *WORD_FILES,
+        "model.net.ninp=16",
+        "model.net.nhid=16",
+        "model.net.dropout=0",
+        config_dir=CONFIGS,
+    )
+    datamodule, module = testing.build(cfg)
+    steps = 6
+    captured = testing.step_gradients(module, datamodule, steps=steps)
+    reference = testing.stream_gradients(module.net, datamodule.train_ids, 20, 35, 35, lr=20.0, steps=steps, clip=0.25)
+    assert len(captured) == len(reference) == steps
+    for got, want in zip(captured, reference):
+        testing.assert_gradients_close(got, want, atol=1e-6)
+    norms = [torch.cat([g.flatten() for g in step.values()]).norm() for step in captured]
+    # The clip acted (here on steps 3 and 4, whose gradients were longer), and no step went beyond it.
+    assert all(n <= 0.25 + 1e-5 for n in norms) and any(n == pytest.approx(0.25, rel=1e-4) for n in norms)

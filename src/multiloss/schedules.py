@@ -8,7 +8,7 @@ next epoch's rate, and a resume from it continues exactly), ``"validation"`` whe
 ends, on its monitored metric (`StepOnValidation`, before a checkpoint of that moment is written).
 A recipe builds one schedule per optimizer from ``model.scheduler`` (a ``_partial_`` config),
 passing what it knows of the run (``epochs``, ``total_steps``, the ``monitor``ed validation loss) to
-a schedule that takes them and whose config leaves them out. Schedules are
+a schedule that takes them and whose config leaves them out or null. Schedules are
 ``torch.optim.lr_scheduler`` classes, so their state goes into every checkpoint; a torch scheduler
 named directly steps per optimizer step.
 """
@@ -49,7 +49,7 @@ class LinearDecay(LambdaLR):
 
     interval = "epoch"
 
-    def __init__(self, optimizer: Optimizer, epochs: int) -> None:
+    def __init__(self, optimizer: Optimizer, epochs: int | None = None) -> None:
         require(
             isinstance(epochs, int) and epochs >= 1,
             "epochs",
@@ -67,7 +67,9 @@ class WarmupCosine(LambdaLR):
 
     interval = "step"
 
-    def __init__(self, optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, min_factor: float = 0.0) -> None:
+    def __init__(
+        self, optimizer: Optimizer, total_steps: int | None = None, warmup_steps: int = 0, min_factor: float = 0.0
+    ) -> None:
         require(isinstance(warmup_steps, int) and warmup_steps >= 0, "warmup_steps", warmup_steps, "an integer ≥ 0")
         require(
             isinstance(total_steps, int) and total_steps > warmup_steps,
@@ -107,7 +109,7 @@ class Plateau(ReduceLROnPlateau):
     def __init__(
         self,
         optimizer: Optimizer,
-        monitor: str,
+        monitor: str | None = None,
         mode: Literal["min", "max"] = "min",
         factor: float = 0.25,
         patience: int = 0,
@@ -176,7 +178,7 @@ def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> dict[
     passed = {
         name: length(trainer)
         for name, length in _RUN_LENGTHS.items()
-        if target is not None and name not in spec and accepts(target, name)
+        if target is not None and spec.get(name) is None and accepts(target, name)
     }
     try:
         scheduler = factory(optimizer, **passed)
@@ -193,7 +195,7 @@ def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> dict[
     return {"scheduler": scheduler, "interval": "step" if getattr(scheduler, "interval", "step") == "step" else "epoch"}
 
 
-# What a recipe knows of its run and passes to a schedule that takes it (and whose config leaves it out).
+# What a recipe knows of its run and passes to a schedule that takes it (and whose config leaves it out or null).
 _RUN_LENGTHS = {
     "epochs": lambda trainer: trainer.max_epochs,
     "total_steps": lambda trainer: trainer.lightning_module.total_optimizer_steps(),

@@ -317,14 +317,16 @@ def stream_gradients(
     steps: int | None = None,
     carry: bool = True,
     prefix: str = "net.",
+    clip: float | None = None,
 ) -> list[Gradients]:
     """The word-language-model loop over continuous streams: batchify, windows in order, the state carried.
 
     ``ids`` (1-D) cut into ``streams`` contiguous rows (the remainder dropped); windows of ``seq_len``
     tokens in order (the last one shorter), each cut into chunks of ``chunk_length``; per chunk a
-    forward from the carried state, ``backward`` of its mean cross-entropy, the gradient recorded, an
-    SGD step of ``lr`` by hand, the state detached — and kept into the next window (``carry=False``:
-    every window starts empty). Returns the first ``steps`` steps' gradients (all when None).
+    forward from the carried state, ``backward`` of its mean cross-entropy, the gradient clipped to
+    global norm ``clip`` (when set) and recorded, an SGD step of ``lr`` by hand, the state detached —
+    and kept into the next window (``carry=False``: every window starts empty). Returns the first
+    ``steps`` steps' gradients (all when None).
     """
     net = copy.deepcopy(net)
     rows = ids[: len(ids) // streams * streams].view(streams, -1)
@@ -338,6 +340,8 @@ def stream_gradients(
             logits, hidden = net(x[:, c : c + chunk_length], hidden)
             target = y[:, c : c + chunk_length].reshape(-1)
             F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target).backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(net.parameters(), clip)
             grads.append(_grads(net, prefix))
             with torch.no_grad():
                 for p in net.parameters():

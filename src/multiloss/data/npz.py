@@ -52,7 +52,8 @@ class NpzDataModule(ArrayDataModule):
     recipe takes it from there (or from ``model.vocab``). ``max_token_id`` is the largest id of every
     integer array. ``layout=streams``: the file holds the corpus as one 1-D integer array (``x``, or its
     only 1-D integer array), cut into ``batch_size`` contiguous streams read window by window of
-    ``seq_len`` tokens (`multiloss.data.streams`).
+    ``seq_len`` tokens (`multiloss.data.streams`); without ``val_path`` the validation streams are the
+    corpus's last ``val_fraction`` (default 0.1), a contiguous tail as ``data=text`` cuts it.
 
     Raises:
         ConfigError: a file missing or unreadable, a listed key not in it, a non-numeric array,
@@ -82,7 +83,7 @@ class NpzDataModule(ArrayDataModule):
             val_fraction,
             f"null or 0 with data.val_path={val_path} (the validation set is that file)",
         )
-        default_fraction = 0.0 if val_path is not None or layout == "streams" else 0.2
+        default_fraction = 0.0 if val_path is not None else 0.1 if layout == "streams" else 0.2
         super().__init__(val_fraction=default_fraction if val_fraction is None else val_fraction, **kwargs)
         require(layout in ("sequences", "streams"), "layout", layout, "sequences or streams")
         self.path, self.y_path, self.layout, self.seq_len = Path(path), y_path, layout, seq_len
@@ -106,6 +107,9 @@ class NpzDataModule(ArrayDataModule):
         self.vocab = next(iter(vocabularies.values()), None)
         self.arrays = read["train"][0]
         self.split = {part: arrays for part, (arrays, _) in read.items()}
+        for part in ("val", "test"):
+            if part in self.split:
+                _check_like_training(self.split[part], self.arrays, parts[part][1], parts[part][0])
         ints = [t for arrays in self.split.values() for t in arrays.values() if not t.is_floating_point() and t.numel()]
         self.max_token_id = max((int(t.max()) for t in ints), default=None)
         if layout == "streams":
@@ -115,7 +119,10 @@ class NpzDataModule(ArrayDataModule):
                 seq_len,
                 "an integer ≥ 1 with layout=streams: the tokens per window",
             )
-            corpus = {part: self._corpus(arrays, parts[part][1]) for part, arrays in self.split.items()}
+            corpus = {part: self._corpus(arrays, *parts[part][::-1]) for part, arrays in self.split.items()}
+            if "val" not in corpus and self.val_fraction > 0:  # the tail, as data=text cuts it
+                cut = len(corpus["train"]) - round(len(corpus["train"]) * self.val_fraction)
+                corpus["train"], corpus["val"] = corpus["train"][:cut], corpus["train"][cut:]
             self.streams = TokenStreams(corpus, self.batch_size, self.val_batch_size, seq_len)
         else:
             require(
@@ -194,14 +201,14 @@ class NpzDataModule(ArrayDataModule):
             }
         return arrays
 
-    def _corpus(self, arrays: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    def _corpus(self, arrays: dict[str, torch.Tensor], key: str, path: str) -> torch.Tensor:
         """The one 1-D integer array a streams file holds (``x`` when there are several)."""
         ids = [name for name, t in arrays.items() if t.dim() == 1 and not t.is_floating_point()]
         name = "x" if "x" in ids else ids[0] if len(ids) == 1 else None
         require(
             name is not None,
             key,
-            str(self.path),
+            path,
             "with layout=streams, a file holding the corpus as one 1-D integer array of token ids (x, or its only one)",
             f"its 1-D integer arrays: {ids or 'none'}",
         )
@@ -220,6 +227,27 @@ class NpzDataModule(ArrayDataModule):
         self.train_set = StackDataset(**self.arrays)
         self.val_set = StackDataset(**self.split.get("val", empty))
         self.test_set = StackDataset(**self.split.get("test", empty))
+
+
+def _check_like_training(arrays: dict[str, torch.Tensor], train: dict[str, torch.Tensor], key: str, path: str) -> None:
+    """A validation or test file holds the training file's batch keys, each example of the same shape and kind."""
+    require(
+        set(arrays) == set(train),
+        key,
+        path,
+        f"a file of the training file's arrays: {sorted(train)}",
+        f"it holds {sorted(arrays)}",
+    )
+    for name, t in arrays.items():
+        ref = train[name]
+        require(
+            t.shape[1:] == ref.shape[1:] and t.is_floating_point() == ref.is_floating_point(),
+            key,
+            path,
+            f"array {name!r} shaped and typed like the training file's: (n, {', '.join(map(str, ref.shape[1:]))}) "
+            f"{ref.dtype}",
+            f"it is {tuple(t.shape)} {t.dtype}",
+        )
 
 
 # A file's arrays that name its vocabulary rather than hold examples.
