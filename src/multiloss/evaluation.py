@@ -132,6 +132,9 @@ def _check_split(cfg: DictConfig) -> None:
 
 
 def _has_test_set(datamodule: L.LightningDataModule) -> bool:
+    streams = getattr(datamodule, "streams", None)
+    if streams is not None:  # token streams (data.layout=streams): a test corpus or none
+        return len(streams.ids.get("test", ())) > 0
     datamodule.setup("test")
     test_set = getattr(datamodule, "test_set", None)
     return test_set is not None and len(test_set) > 0

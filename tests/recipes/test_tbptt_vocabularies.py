@@ -40,11 +40,13 @@ COMMON = (
 def word_files(tmp_path: Path) -> tuple[str, ...]:
     (tmp_path / "train.txt").write_text(WORDS * 6)
     (tmp_path / "valid.txt").write_text("the cat sat on a log\nthe zebra sat\n")
+    (tmp_path / "test.txt").write_text("a dog sat on the mat\n" * 3)
     return (
         "data=text",
         "data.level=words",
         f"data.path={tmp_path / 'train.txt'}",
         f"data.val_path={tmp_path / 'valid.txt'}",
+        f"data.test_path={tmp_path / 'test.txt'}",
     )
 
 
@@ -123,3 +125,18 @@ def test_the_word_vocabulary_rides_in_the_checkpoint(make_cfg, tmp_path, word_fi
     train(make_cfg(*COMMON, *word_files, "trainer.max_steps=1", output_dir=run))
     vocab = torch.load(run / "checkpoints/last.ckpt", weights_only=True)["hyper_parameters"]["vocab"]
     assert vocab[:5] == ["the", "cat", "sat", "on", "mat"] and vocab[-1] == UNK and "<eos>" in vocab
+
+
+def test_eval_scores_the_test_streams_too(make_cfg, tmp_path, word_files):
+    """multiloss-eval on a streams run: the validation it ended with, again, and the test file's perplexity."""
+    from multiloss.evaluation import evaluate, with_training_overrides
+    from multiloss.testing import compose
+
+    run = tmp_path / "run"
+    trained = train(make_cfg(*COMMON, *word_files, output_dir=run))
+    args = with_training_overrides([f"ckpt_path={run / 'checkpoints/last.ckpt'}", "print_config=false"])
+    metrics = evaluate(compose(*args, config_name="eval", output_dir=tmp_path / "eval"))
+    assert metrics["val/ppl"] == pytest.approx(trained["val/ppl"], rel=1e-6)
+    assert (
+        metrics["test/ppl"] == pytest.approx(math.exp(metrics["test/loss/ce"]), rel=1e-5) and "test/bpc" not in metrics
+    )
