@@ -113,3 +113,36 @@ def padded_tbptt(path: Path, vocab: int = 11) -> tuple[str, ...]:
         "model.sample_prompt='1 2'",
         "model.sample_length=5",
     )
+
+
+class SignalAt(L.Callback):
+    """Sends ``signum`` (SIGTERM) to this very process, as a scheduler would, as the batch of ``step`` starts.
+
+    On ``rank`` only (every rank when None); once per process. The signal is real: the run's own
+    handler receives it between two bytecodes, wherever the step is.
+    """
+
+    def __init__(self, step: int = 5, rank: int | None = None, signum: int = 15) -> None:
+        self.step, self.rank, self.signum, self.sent = step, rank, signum, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.sent or trainer.global_step < self.step or self.rank not in (None, trainer.global_rank):
+            return
+        import os
+
+        self.sent = True
+        os.kill(os.getpid(), self.signum)
+
+
+class DieOnce(L.Callback):
+    """``DieOnRank`` on the first attempt of a torchrun-restarted job only (TORCHELASTIC_RESTART_COUNT 0)."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import os
+
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            os._exit(3)

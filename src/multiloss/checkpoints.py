@@ -51,11 +51,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600: teammates and other jobs read it as any file
             os.replace(tmp_name, target)
             tmp_name = None
             _fsync_dir(target.parent)  # the rename itself survives a crash
-        except OSError as err:
-            raise CheckpointWriteError(f"could not write the checkpoint {target}: {err}") from err
+        except (OSError, RuntimeError) as err:  # a full disk surfaces from torch.save's zip writer as RuntimeError
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if isinstance(err, RuntimeError):
+                reason = f"the write failed (is the disk full?): {reason}"
+            raise CheckpointWriteError(f"could not write the checkpoint {target}: {reason}") from err
         finally:
             if tmp_name is not None and os.path.exists(tmp_name):
                 os.remove(tmp_name)
@@ -66,6 +70,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(
             path, map_location=map_location or (lambda storage, loc: storage), weights_only=True
         )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -10,6 +10,8 @@ a summary: every final value and where the outputs are (rank zero only).
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +80,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     from multiloss.quiet import silence_known_noise
 
     silence_known_noise()  # before Lightning and torchdata are imported: some warn at import or first use
-    from multiloss.callbacks import NonFiniteError
+    from multiloss.callbacks import NonFiniteError, RunPreempted
     from multiloss.checkpoints import CheckpointWriteError
     from multiloss.config import ConfigError
 
@@ -95,17 +97,51 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         metrics = task(cfg)
     except ConfigError as err:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
-        _print_error("config error", err.message)
         _remove_if_empty(cfg)
-        raise SystemExit(2) from None
+        _fail("config error", err.message, 2)
     except (CheckpointWriteError, NonFiniteError) as err:
-        _print_error("run stopped", str(err))
-        raise SystemExit(1) from None
+        _fail("run stopped", str(err), 1)
+    except RunPreempted as err:
+        _print_error("run stopped", f"{err}{_resume_hint(err.checkpoint, cfg)}", rank_zero=True)
+        # An exit, never an exception, even in a submitted job: a preempted job is requeued and runs
+        # again, and its first attempt must not leave a result that tells the submitter it failed.
+        raise SystemExit(err.exit_code) from None
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank == 0:
         print_summary(metrics, cfg)
     return metrics
+
+
+class JobFailed(Exception):
+    """A run inside a submitted job (submitit) ended on a user error: an exception, so that submitit
+    records it and the submitting ``-m`` command reports it (`multiloss.slurm`), where an exit would
+    leave the submitter polling for a result that never comes."""
+
+
+def _fail(kind: str, message: str, exit_code: int) -> None:
+    _print_error(kind, message)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        raise JobFailed(f"multiloss: {kind}: {message}") from None
+    raise SystemExit(exit_code) from None
+
+
+def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
+    if checkpoint is None or not checkpoint.is_file():
+        return ""
+    if os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"):
+        return ""  # the requeued or restarted job finds it by itself
+    return f"; continue with: {resume_argument(checkpoint)}"
+
+
+def resume_argument(checkpoint: Path | str) -> str:
+    """``ckpt_path=<file>`` as a shell argument Hydra parses back to the same path (spaces and all)."""
+    text = str(checkpoint)
+    if any(c in text for c in '"$`'):
+        return shlex.quote(f"ckpt_path='{text}'") if "'" not in text else shlex.quote(f'ckpt_path="{text}"')
+    if all(c.isalnum() or c in "/._-+" for c in text):
+        return f"ckpt_path={text}"
+    return f"\"ckpt_path='{text}'\""
 
 
 def _remove_if_empty(cfg: DictConfig) -> None:
@@ -120,12 +156,20 @@ def _remove_if_empty(cfg: DictConfig) -> None:
         root.rmdir()
 
 
-def _print_error(kind: str, message: str) -> None:
+def _print_error(kind: str, message: str, rank_zero: bool = False) -> None:
     import rich.console
     import rich.markup
 
+    if rank_zero and _rank() != 0:
+        return
     console = rich.console.Console(stderr=True, highlight=False)
     console.print(f"[bold red]multiloss: {kind}:[/] {rich.markup.escape(message)}", soft_wrap=True)
+
+
+def _rank() -> int:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return rank_zero_only.rank
 
 
 def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
@@ -144,5 +188,5 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
     last = out / "checkpoints" / "last.ckpt"
-    resume = f"; resume: ckpt_path={last}" if last.is_file() else ""
+    resume = f"; resume: {resume_argument(last)}" if last.is_file() else ""
     console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True)

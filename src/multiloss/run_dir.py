@@ -17,6 +17,24 @@ from pathlib import Path
 from multiloss.config import ConfigError
 
 LOCK = ".multiloss.lock"
+# Set by SLURM in a requeued job and by torchrun in a restarted worker: the same run, again.
+RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
+    """The checkpoint a run starts from: ``ckpt_path``, with ``last`` meaning the run dir's own ``last.ckpt``.
+
+    ``ckpt_path=last`` continues the run in ``output_dir`` when it saved a ``last.ckpt``, and starts
+    fresh when there is none (a first attempt). A job SLURM requeued or torchrun restarted keeps its
+    run dir (the run stamp is the launch's id, `multiloss.config.resolvers`) and continues from
+    its own ``last.ckpt`` whatever ``ckpt_path`` says, which was the first attempt's start.
+    """
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    counts = [os.environ.get(name, "0") for name in RESTART_COUNTS]
+    restarted = any(count.isdigit() and int(count) > 0 for count in counts)
+    if ckpt_path == "last" or (restarted and last.is_file()):
+        return str(last) if last.is_file() else None
+    return ckpt_path
 
 
 def check_run_dir(output_dir: str | Path, ckpt_path: str | None, overwrite: bool) -> None:

@@ -6,12 +6,13 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer, lightning_said
-from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, RngState
+from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, Preemption, RngState
 from multiloss.callbacks.run_record import RunRecord
 from multiloss.checkpoints import verify_checkpoint
 from multiloss.config import ConfigError, check_config
 from multiloss.module import Recipe
 from multiloss.pitfalls import explain
+from multiloss.run_dir import resume_from
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -20,15 +21,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Every user error surfaces as `ConfigError` before the first file is written, so a rejected
     run leaves an earlier run's files in the same directory untouched.
     """
+    cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))
     check_config(cfg)
     datamodule, model = build_data_and_model(cfg)
     # Besides the config's callbacks, always there: RngState (exact resume is part of the contract of
     # `ckpt_path=`), RunRecord (the run's config copies, once fit() has checked the components on a
     # batch of the data), the non-finite guard (nothing NaN trains on silently or reaches a
-    # checkpoint), the graph-leak detector (a graph kept from step to step, over the first batches).
+    # checkpoint), the graph-leak detector (a graph kept from step to step, over the first batches),
+    # Preemption (SIGTERM saves the step reached and stops the run with a non-zero exit).
     record = RunRecord(cfg)
     trainer = build_trainer(
-        cfg, [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
+        cfg, [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector(), Preemption()]
     )
     # Settings only the recipe can judge against the built Trainer (trainer.accumulate_grad_batches
     # under manual optimization): rejected here, before any file is written.

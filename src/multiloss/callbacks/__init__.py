@@ -6,6 +6,7 @@ from multiloss.callbacks.json_record import JsonRecord
 from multiloss.callbacks.leaks import GraphLeakDetector
 from multiloss.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from multiloss.callbacks.plots import LoggedCurvesPlot, LossCurves, read_metrics
+from multiloss.callbacks.preemption import Preemption, RunPreempted
 from multiloss.callbacks.progress import ProgressBar
 from multiloss.callbacks.rng import RngState
 from multiloss.callbacks.samples import GeneratedSamplesPlot, TextSamples
@@ -21,8 +22,10 @@ __all__ = [
     "LossCurves",
     "NonFiniteError",
     "NonFiniteGuard",
+    "Preemption",
     "ProgressBar",
     "RngState",
+    "RunPreempted",
     "TextSamples",
     "read_metrics",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -13,6 +15,17 @@ from multiloss.lean_callback import LeanCallback
 
 class Checkpoint(ModelCheckpoint, LeanCallback):
     """`ModelCheckpoint` (all its arguments) whose ``last.ckpt`` is always the last step trained, resumable.
+
+    Two more arguments make ``last.ckpt`` a policy that always leaves something to resume from
+    (stock Lightning with ``save_top_k=0`` writes it only when training ends: a run killed after 2 of
+    15 epochs left nothing):
+
+    - ``save_last_every_epoch`` (default true): ``last.ckpt`` at every training epoch's end;
+    - ``last_every_minutes``: also mid-epoch, at the first step boundary after this many minutes of
+      training since the last save (all ranks agree on it: `multiloss.callbacks.Preemption`, which
+      also saves it on SIGTERM).
+
+    Each save replaces the file atomically (`multiloss.checkpoints.AtomicCheckpointIO`).
 
     Three holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
 
@@ -29,6 +42,34 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
       as ``last.ckpt`` (step 20 of 23 with ``every_n_train_steps=10``). Here the final step is saved.
     """
 
+    def __init__(
+        self, *args: Any, save_last_every_epoch: bool = True, last_every_minutes: float | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if last_every_minutes is not None and not (
+            isinstance(last_every_minutes, int | float) and last_every_minutes > 0
+        ):
+            from multiloss.config import ConfigError
+
+            raise ConfigError("last_every_minutes", last_every_minutes, "a number of minutes > 0, or null (off)")
+        self.save_last_every_epoch = save_last_every_epoch
+        self.last_every_minutes = last_every_minutes
+        self._saved_at = time.monotonic()
+
+    def interval_due(self) -> bool:
+        """``last_every_minutes`` have passed since the last save (or the start), on this process's clock."""
+        return self.last_every_minutes is not None and time.monotonic() - self._saved_at >= 60 * self.last_every_minutes
+
+    def save_last_now(self, trainer: L.Trainer) -> Path | None:
+        """Save ``last.ckpt`` at this step (every rank together) unless it holds this step already; its path."""
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        return Path(self.last_model_path) if self.last_model_path else None
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        self._saved_at = time.monotonic()
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -39,7 +80,7 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self.save_last and self._final_step(trainer):
+        if self.save_last and (self._final_step(trainer) or self._every_epoch(trainer)):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -47,6 +88,11 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             return
         super().on_train_end(trainer, pl_module)
+
+    def _every_epoch(self, trainer: L.Trainer) -> bool:
+        return (
+            self.save_last_every_epoch and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer)
+        )
 
     def _final_step(self, trainer: L.Trainer) -> bool:
         """``max_steps`` reached by the step just taken, and no checkpoint of it yet."""

@@ -1,0 +1,162 @@
+"""A run told to stop saves where it is, exactly, and ends with an exit code that says so.
+
+Stock Lightning 2.6 on SIGTERM logs ``Received SIGTERM``, stops at the next batch and exits 0:
+nothing saved, a scheduler reads success. Its SLURM path (SIGUSR1, ``auto_requeue``) saves
+``hpc_ckpt_<n>.ckpt`` from inside the signal handler, wherever the step was: the requeued run resumed
+one step short (479 of 480, weights off by 0.1), and from a file the run-dir rules do not know.
+Under DDP its handler calls ``dist.broadcast`` from inside the signal handler, on every rank SLURM
+signalled, in the middle of whatever collective that rank was in.
+
+`Preemption` replaces both handlers while the run trains. A handler only notes the signal. At the
+end of a batch that took an optimizer step (never between the micro-batches of one step) the ranks
+agree — one ``all_reduce(MAX)`` of two flags under DDP, nothing at all in one process — on "a signal
+came" and on "the checkpoint's time interval is due" (`multiloss.callbacks.Checkpoint`'s
+``last_every_minutes``, judged on every rank's clock, so no rank decides alone). Then every rank
+saves ``last.ckpt`` together, the state of that step with everything exact resume restores (the
+data position, RNG states, tbptt's carried state), and on a signal raises `RunPreempted`; the
+epoch's last batch is left to the epoch's end, where the checkpoint resumes into the next epoch.
+Under SLURM the requeue signals (SIGUSR1, the one Lightning and ``sbatch --signal`` use, and
+SIGUSR2, submitit's) also requeue the job from rank zero (``scontrol requeue``): the requeued job
+keeps its id, so its run dir, and resumes from that checkpoint by itself (`multiloss.resume`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Checkpoint as LightningCheckpointBase
+
+from multiloss.callbacks.checkpoint import Checkpoint
+from multiloss.lean_callback import LeanCallback
+
+log = logging.getLogger("multiloss")
+
+STOP_SIGNALS = (signal.SIGTERM,)
+REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # under SLURM only: Lightning's / sbatch --signal, submitit's
+
+
+class RunPreempted(Exception):
+    """The run stopped on a signal after saving (or trying to save) the step it had reached."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, requeued: str | None) -> None:
+        self.signum, self.step, self.checkpoint, self.requeued = signum, step, checkpoint, requeued
+        name = signal.Signals(signum).name
+        saved = f"saved {checkpoint}" if checkpoint else "no checkpoint (callbacks.model_checkpoint is off)"
+        super().__init__(f"{name} at global step {step}: {saved}" + (f"; {requeued}" if requeued else ""))
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process the signal ended
+
+
+def under_slurm() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+class Preemption(LightningCheckpointBase, LeanCallback):
+    """Saves ``last.ckpt`` at a step boundary on SIGTERM (and SLURM's requeue signals) or when its interval is due.
+
+    A subclass of Lightning's checkpoint base class so that Lightning runs its hooks after every
+    other callback's, as it runs ``ModelCheckpoint``'s: the state saved is the whole step's.
+    """
+
+    def __init__(self) -> None:
+        self.signalled: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._trainer: L.Trainer | None = None
+        self._seen_step = 0
+
+    # --- the handlers: installed once Lightning has installed its own (it does right before the loop)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install(trainer)
+        self._seen_step = trainer.global_step
+
+    def _install(self, trainer: L.Trainer) -> None:
+        if self._previous:
+            return
+        self._trainer = trainer
+        signums = STOP_SIGNALS + (REQUEUE_SIGNALS if under_slurm() else ())
+        for signum in signums:
+            self._previous[signum] = signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        # A signal handler runs between two bytecodes of the main thread, possibly inside a log call
+        # or a collective's Python wrapper: it only notes, the loop acts at a step boundary.
+        first = self.signalled is None
+        self.signalled = signum if first else self.signalled
+        launcher = self._trainer.strategy.launcher if self._trainer is not None else None
+        if first and launcher is not None and getattr(launcher, "procs", None):
+            launcher.kill(signum)  # ranks this process started (trainer=ddp_cpu from one command) stop too
+
+    def _uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._uninstall()
+
+    # --- the decision, at step boundaries
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
+        if not stepped or batch_idx + 1 >= trainer.num_training_batches:
+            return  # mid-step (micro-batches), or the epoch's last batch: its end decides
+        self._decide(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._decide(trainer)
+
+    def _decide(self, trainer: L.Trainer) -> None:
+        checkpoint = _last_checkpoint_callback(trainer)
+        flags = [self.signalled is not None, checkpoint is not None and checkpoint.interval_due()]
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            agreed = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            flags = [bool(v) for v in agreed.tolist()]
+        stop, due = flags
+        if not (stop or due):
+            return
+        saved = checkpoint.save_last_now(trainer) if checkpoint is not None else None
+        if not stop:
+            return
+        signum = self.signalled if self.signalled is not None else signal.SIGTERM  # another rank's signal
+        requeued = None
+        if under_slurm() and signum in REQUEUE_SIGNALS and trainer.is_global_zero:
+            requeued = _requeue()
+        raise RunPreempted(signum, trainer.global_step, saved, requeued)
+
+
+def _last_checkpoint_callback(trainer: L.Trainer) -> Checkpoint | None:
+    for callback in trainer.callbacks:
+        if isinstance(callback, Checkpoint) and callback.save_last:
+            return callback
+    return None
+
+
+def _requeue() -> str:
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"could not requeue SLURM job {job}: {err}"
+    if done.returncode != 0:
+        return f"could not requeue SLURM job {job}: {(done.stderr or done.stdout).strip()}"
+    return f"requeued SLURM job {job}: it continues from that checkpoint"

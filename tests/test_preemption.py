@@ -1,0 +1,185 @@
+"""Nothing lost: a run always leaves a checkpoint to continue from, and a SIGTERM saves the step it reached.
+
+Real signals to the real process, real checkpoints on disk, resumed by ``ckpt_path=last`` in the
+same run dir; every resume is compared with a run that was never interrupted (weights equal, 0.0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multiloss import train
+from multiloss.callbacks import RunPreempted
+from multiloss.config import ConfigError
+from tests.conftest import ROOT, load_weights, run_cli
+
+SMALL = (
+    "model.net.width=32",
+    "model.net.dropout=0.2",
+    "data.batch_size=128",
+    "trainer=cpu",
+    "~callbacks.loss_curves",
+)
+# 1438 training digits / 128 = 12 batches an epoch.
+RECIPES = {
+    "multihead": ("recipe=multihead", *SMALL),
+    # 4 micro-batches a step: a signal mid-step waits for the step's end.
+    "accumulation": ("recipe=accumulation", *SMALL, "model.accumulate_grad_batches=4"),
+}
+
+
+def _signal_at(step: int, rank: int | None = None) -> tuple[str, ...]:
+    rank_override = (f"+callbacks.signal.rank={rank}",) if rank is not None else ()
+    return ("+callbacks.signal._target_=tests.helpers.SignalAt", f"+callbacks.signal.step={step}", *rank_override)
+
+
+def _same(a, b) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
+    assert worst == 0.0, f"weights differ by up to {worst:.3g}"
+
+
+def _global_step(run) -> int:
+    return torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_sigterm_saves_the_step_it_reached_and_ckpt_path_last_continues_exactly(make_cfg, tmp_path, recipe):
+    common, end = RECIPES[recipe], "trainer.max_steps=9"
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, end, output_dir=straight))
+
+    with pytest.raises(RunPreempted) as stopped:
+        train(make_cfg(*common, end, *_signal_at(step=4), output_dir=run))
+    assert stopped.value.signum == signal.SIGTERM and stopped.value.exit_code == 143
+    # Sent as the batch of step 4 began: that batch (or under accumulation, that step's last
+    # micro-batch) finished, and the checkpoint holds step 5, mid-epoch.
+    assert stopped.value.checkpoint == run / "checkpoints/last.ckpt"
+    assert _global_step(run) == 5
+
+    train(make_cfg(*common, end, "ckpt_path=last", output_dir=run))
+    assert _global_step(run) == 9
+    _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
+
+
+def test_the_handlers_before_the_run_are_back_after_it(make_cfg, tmp_path):
+    def mine(signum, frame):
+        raise AssertionError("not during the run")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(RunPreempted):
+            train(make_cfg(*RECIPES["multihead"], "trainer.max_steps=6", *_signal_at(step=2), output_dir=tmp_path))
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_run_killed_after_its_first_epoch_continues_from_the_epoch_boundary(make_cfg, tmp_path):
+    """The default policy: last.ckpt at every epoch's end. A kill (no handler, no cleanup) in
+    epoch 2 loses that epoch's steps only; ``ckpt_path=last`` goes on exactly."""
+    common, end = RECIPES["multihead"], "trainer.max_epochs=3"
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, end, output_dir=straight))
+
+    killed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *common,
+            end,
+            "print_config=false",
+            "~callbacks.progress_bar",
+            "trainer.enable_progress_bar=false",
+            "+callbacks.die._target_=tests.helpers.DieOnRank",
+            "+callbacks.die.rank=0",
+            "+callbacks.die.step=30",  # epoch 2 (steps 24..35)
+            f"hydra.run.dir={run}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # the threads of this process's runs: the same sums
+    )
+    assert killed.returncode == 3, killed.stderr[-3000:]
+    assert _global_step(run) == 24  # the end of epoch 1
+
+    train(make_cfg(*common, end, "ckpt_path=last", output_dir=run))
+    _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
+
+
+def test_ckpt_path_last_on_a_fresh_dir_starts_from_scratch(make_cfg, tmp_path):
+    train(make_cfg(*RECIPES["multihead"], "trainer.max_steps=3", "ckpt_path=last", output_dir=tmp_path / "new"))
+    assert _global_step(tmp_path / "new") == 3
+
+
+def test_last_every_minutes_saves_mid_epoch(make_cfg, tmp_path):
+    # An interval shorter than a step: a save at every step boundary, so the kill at step 7 leaves step 7.
+    with pytest.raises(RunPreempted):
+        train(
+            make_cfg(
+                *RECIPES["multihead"],
+                "trainer.max_steps=11",
+                "callbacks.model_checkpoint.last_every_minutes=1e-9",
+                "callbacks.model_checkpoint.save_last_every_epoch=false",
+                *_signal_at(step=7),
+                output_dir=tmp_path,
+            )
+        )
+    assert _global_step(tmp_path) == 8
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_a_bad_interval_is_a_config_error_naming_the_key(make_cfg, tmp_path, value):
+    with pytest.raises(ConfigError, match=r"callbacks\.model_checkpoint\.last_every_minutes"):
+        train(
+            make_cfg(
+                *RECIPES["multihead"], f"callbacks.model_checkpoint.last_every_minutes={value}", output_dir=tmp_path
+            )
+        )
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_sigterm_from_the_command_line_exits_143_with_the_line_that_continues(tmp_path):
+    run = tmp_path / "my runs" / "one"  # a space: the printed line must still paste
+    proc = run_cli(
+        *RECIPES["multihead"],
+        "trainer.max_steps=9",
+        "print_config=false",
+        *_signal_at(step=4),
+        f"hydra.run.dir='{run}'",
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    message = [line for line in proc.stderr.splitlines() if line.startswith("multiloss:")]
+    assert len(message) == 1
+    assert "SIGTERM at global step 5" in message[0]
+    resume = message[0].split("continue with: ")[1]
+    assert resume == f"\"ckpt_path='{run}/checkpoints/last.ckpt'\""
+    # Pasted back after the same command, it continues the run to its end.
+    import shlex
+
+    done = run_cli(
+        *RECIPES["multihead"],
+        "trainer.max_steps=9",
+        "print_config=false",
+        f"hydra.run.dir='{run}'",
+        *shlex.split(resume),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _global_step(run) == 9
+
+
+def test_checkpoints_honour_the_umask(make_cfg, tmp_path):
+    before = os.umask(0o027)
+    try:
+        train(make_cfg(*RECIPES["multihead"], "trainer.max_steps=2", output_dir=tmp_path))
+    finally:
+        os.umask(before)
+    assert (tmp_path / "checkpoints/last.ckpt").stat().st_mode & 0o777 == 0o640
