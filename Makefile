@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multiloss-installed
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test test-slurm lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The SLURM tests alone: a real one-node cluster (installed with apt-get when missing, as root).
+test-slurm: $(STAMP)
+	$(BIN)/python -m pytest -m slurm $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

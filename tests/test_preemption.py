@@ -183,3 +183,19 @@ def test_checkpoints_honour_the_umask(make_cfg, tmp_path):
     finally:
         os.umask(before)
     assert (tmp_path / "checkpoints/last.ckpt").stat().st_mode & 0o777 == 0o640
+
+
+def test_without_a_checkpoint_callback_sigterm_still_stops_the_run_and_says_nothing_was_saved(make_cfg, tmp_path):
+    with pytest.raises(RunPreempted, match="no checkpoint") as stopped:
+        train(
+            make_cfg(
+                *(o for o in RECIPES["multihead"] if not o.startswith("~callbacks")),
+                "trainer.max_steps=9",
+                "callbacks=none",
+                "+callbacks.signal._target_=tests.helpers.SignalAt",
+                "+callbacks.signal.step=3",
+                "+trainer.enable_checkpointing=false",
+                output_dir=tmp_path,
+            )
+        )
+    assert stopped.value.checkpoint is None and stopped.value.step == 4

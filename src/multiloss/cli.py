@@ -42,7 +42,25 @@ def eval_main() -> None:
 def _hydra_main(config_name: str, task: Callable[[DictConfig], object]) -> Callable[[], object]:
     import hydra
 
+    _register_slurm_launcher()
     return hydra.main(version_base="1.3", config_path=CONFIGS, config_name=config_name)(task)
+
+
+def _register_slurm_launcher() -> None:
+    """Make ``hydra/launcher=slurm``'s launcher known to Hydra under an editable install too.
+
+    Hydra finds plugins by listing the ``hydra_plugins`` namespace package's directories; an
+    editable install (``pip install -e``, as ``make train`` does) serves ours through an import hook
+    that such a listing does not see. Registered by name, as Hydra's own scan would.
+    """
+    try:
+        from hydra.core.plugins import Plugins
+
+        from hydra_plugins import multiloss_slurm
+    except ImportError:
+        return
+    if launcher := getattr(multiloss_slurm, "SlurmLauncher", None):  # absent without the slurm extra
+        Plugins.instance().class_name_to_class[f"{launcher.__module__}.{launcher.__name__}"] = launcher
 
 
 def train_task(cfg: DictConfig) -> dict[str, float] | float:
@@ -97,7 +115,8 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         metrics = task(cfg)
     except ConfigError as err:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
-        _remove_if_empty(cfg)
+        if not os.environ.get("SUBMITIT_EXECUTOR"):  # a job's log handlers still write into its dir
+            _remove_if_empty(cfg)
         _fail("config error", err.message, 2)
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
@@ -115,7 +134,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
 
 class JobFailed(Exception):
     """A run inside a submitted job (submitit) ended on a user error: an exception, so that submitit
-    records it and the submitting ``-m`` command reports it (`multiloss.slurm`), where an exit would
+    records it and the submitting ``-m`` command reports it (`hydra_plugins.multiloss_slurm`), where an exit would
     leave the submitter polling for a result that never comes."""
 
 

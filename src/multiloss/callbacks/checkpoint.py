@@ -52,6 +52,7 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
             from multiloss.config import ConfigError
 
             raise ConfigError("last_every_minutes", last_every_minutes, "a number of minutes > 0, or null (off)")
+        self.preemption: Any = None  # multiloss.callbacks.Preemption, set when training starts
         self.save_last_every_epoch = save_last_every_epoch
         self.last_every_minutes = last_every_minutes
         self._saved_at = time.monotonic()
@@ -77,11 +78,15 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
         epoch_ends = batch_idx + 1 >= trainer.num_training_batches
         if self.save_last and self._final_step(trainer) and not epoch_ends:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.preemption is not None:
+            self.preemption.batch_end(trainer, batch_idx)  # after every other callback's hook: the whole step
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if self.save_last and (self._final_step(trainer) or self._every_epoch(trainer)):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.preemption is not None:
+            self.preemption.epoch_end(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer):

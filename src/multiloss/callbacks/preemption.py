@@ -31,7 +31,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Checkpoint as LightningCheckpointBase
 
 from multiloss.callbacks.checkpoint import Checkpoint
 from multiloss.lean_callback import LeanCallback
@@ -60,11 +59,12 @@ def under_slurm() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
-class Preemption(LightningCheckpointBase, LeanCallback):
+class Preemption(LeanCallback):
     """Saves ``last.ckpt`` at a step boundary on SIGTERM (and SLURM's requeue signals) or when its interval is due.
 
-    A subclass of Lightning's checkpoint base class so that Lightning runs its hooks after every
-    other callback's, as it runs ``ModelCheckpoint``'s: the state saved is the whole step's.
+    The decision is taken by the `Checkpoint` that saves, at the end of its own hooks: Lightning runs
+    checkpoint callbacks after every other (the recipe's log rows included), so what is saved is
+    the whole step. Without one (``callbacks=none``) a signal still stops the run, from here.
     """
 
     def __init__(self) -> None:
@@ -72,6 +72,7 @@ class Preemption(LightningCheckpointBase, LeanCallback):
         self._previous: dict[int, Any] = {}
         self._trainer: L.Trainer | None = None
         self._seen_step = 0
+        self._delegated = False
 
     # --- the handlers: installed once Lightning has installed its own (it does right before the loop)
 
@@ -81,6 +82,10 @@ class Preemption(LightningCheckpointBase, LeanCallback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
         self._seen_step = trainer.global_step
+        if (checkpoint := _last_checkpoint_callback(trainer)) is not None:
+            checkpoint.preemption = self
+            self.on_train_batch_end = None  # type: ignore[assignment]  # Lightning skips it; the checkpoint calls in
+            self._delegated = True
 
     def _install(self, trainer: L.Trainer) -> None:
         if self._previous:
@@ -115,12 +120,19 @@ class Preemption(LightningCheckpointBase, LeanCallback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self.batch_end(trainer, batch_idx)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._delegated:
+            self.epoch_end(trainer)
+
+    def batch_end(self, trainer: L.Trainer, batch_idx: int) -> None:
         stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
         if not stepped or batch_idx + 1 >= trainer.num_training_batches:
             return  # mid-step (micro-batches), or the epoch's last batch: its end decides
         self._decide(trainer)
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def epoch_end(self, trainer: L.Trainer) -> None:
         self._decide(trainer)
 
     def _decide(self, trainer: L.Trainer) -> None:

@@ -1,0 +1,226 @@
+"""A real one-node SLURM cluster for the tests: munge, slurmctld and slurmd of this machine's packages.
+
+`start_cluster` installs the Debian packages when they are missing (as root, with apt-get), writes
+a ``slurm.conf`` for one node (this host, the CPUs and memory ``slurmd -C`` reports, a default
+partition, no cgroups, no accounting) into a directory of its own, with its own munge key and
+socket and free ports, so it never touches a cluster the machine may already run; starts the three
+daemons in the foreground, each in a session of its own, and waits for the node to be idle.
+`Cluster.stop` cancels its jobs and ends exactly the processes it started (by PID). Anything the
+machine cannot do raises `Unavailable` with the reason (the tests then skip with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "slurm-wlm-basic-plugins", "munge")
+BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "munged")
+
+
+class Unavailable(Exception):
+    """This machine cannot run the cluster; the message says why."""
+
+
+@dataclass
+class Cluster:
+    root: Path
+    env: dict[str, str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def run(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)}: {done.stderr or done.stdout}")
+        return done
+
+    def sbatch(self, script: str, cwd: Path) -> str:
+        path = cwd / f"job-{time.monotonic_ns()}.sh"
+        path.write_text(script)
+        out = self.run("sbatch", "--parsable", f"--chdir={cwd}", str(path)).stdout.strip()
+        return out.split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (a finished job stays known for MinJobAge, 300 s)."""
+        text = self.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait(self, job_id: str, timeout: float = 300, states: tuple[str, ...] = ("COMPLETED", "FAILED")) -> str:
+        """Wait until the job reaches one of ``states`` (or any end state); its state."""
+        ends = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.job(job_id).get("JobState", "")
+            if state in states or (state in ends and state not in ("PREEMPTED",)):
+                return state
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout} s")
+
+    def stop(self) -> None:
+        if jobs := self._job_ids():
+            with contextlib.suppress(Exception):
+                self.run("scancel", "--quiet", *jobs, check=False)
+        for proc in reversed(self.procs):  # slurmd, slurmctld, munged: only the processes started here
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=5)
+        self.procs.clear()
+
+    def _job_ids(self) -> list[str]:
+        try:
+            out = self.run("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return out.split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_packages() -> None:
+    if all(shutil.which(b) or Path("/usr/sbin", b).exists() for b in BINARIES):
+        return
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise Unavailable("SLURM is not installed, and installing it needs root and apt-get (Debian/Ubuntu)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
+    try:
+        if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
+            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr[-300:]}")
+    except subprocess.TimeoutExpired as err:
+        raise Unavailable(f"apt-get took too long: {err}") from None
+
+
+def _node_facts() -> tuple[str, int, int]:
+    slurmd = shutil.which("slurmd") or "/usr/sbin/slurmd"
+    text = subprocess.run([slurmd, "-C"], capture_output=True, text=True, timeout=30).stdout
+    facts = dict(re.findall(r"(\w+)=(\S+)", text))
+    if "CPUs" not in facts:
+        raise Unavailable(f"slurmd -C did not describe this node: {text!r}")
+    return socket.gethostname().split(".")[0], int(facts["CPUs"]), int(facts.get("RealMemory", "1000"))
+
+
+def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with log.open("wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            break
+        time.sleep(0.2)
+    logs = "; ".join(f"{p.name}: {p.read_text()[-400:]!r}" for p in sorted(root.glob("log/*")))
+    raise Unavailable(f"{what} did not come up ({logs})")
+
+
+def start_cluster(root: Path) -> Cluster:
+    """Bring the cluster up under ``root``; `Unavailable` if this machine cannot."""
+    ensure_packages()
+    host, cpus, memory = _node_facts()
+    for sub in ("state", "spool", "log", "munge"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / "munge").chmod(0o711)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(128))
+    key.chmod(0o400)
+    sock = root / "munge" / "munge.sock"
+    conf = root / "slurm.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=multiloss-test",
+                f"SlurmctldHost={host}(127.0.0.1)",
+                f"SlurmctldPort={_free_port()}",
+                f"SlurmdPort={_free_port()}",
+                "AuthType=auth/munge",
+                "CredType=cred/munge",
+                f"AuthInfo=socket={sock}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                f"StateSaveLocation={root / 'state'}",
+                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+                f"SlurmdPidFile={root / 'slurmd.pid'}",
+                f"SlurmctldLogFile={root / 'log/slurmctld.log'}",
+                f"SlurmdLogFile={root / 'log/slurmd.log'}",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "JobCompType=jobcomp/none",
+                "AccountingStorageType=accounting_storage/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "MpiDefault=none",
+                "ReturnToService=2",
+                "JobRequeue=1",
+                "KillWait=30",
+                "InactiveLimit=0",
+                "MinJobAge=600",
+                "SchedulerType=sched/backfill",
+                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN",
+                "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                "",
+            ]
+        )
+    )
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    for name in [n for n in env if n.startswith(("SLURM_", "SBATCH_", "SRUN_")) and n != "SLURM_CONF"]:
+        del env[name]  # a job of ours must not look like a step of the job running these tests
+    cluster = Cluster(root, env)
+    munged = shutil.which("munged") or "/usr/sbin/munged"
+    cluster.procs.append(
+        _start(
+            [
+                munged,
+                "--foreground",
+                "--force",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={root / 'munge/munged.pid'}",
+                f"--seed-file={root / 'munge/munged.seed'}",
+                f"--log-file={root / 'log/munged.log'}",
+            ],
+            root / "log/munged.out",
+            env,
+        )
+    )
+    try:
+        _wait_for(sock.exists, "munged", cluster.procs, root)
+        for daemon in ("slurmctld", "slurmd"):
+            binary = shutil.which(daemon) or f"/usr/sbin/{daemon}"
+            cluster.procs.append(_start([binary, "-D", "-f", str(conf)], root / f"log/{daemon}.out", env))
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
+            return out.stdout.strip() == "idle"
+
+        _wait_for(idle, "the node (sinfo: idle)", cluster.procs, root)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

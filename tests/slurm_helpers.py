@@ -1,0 +1,41 @@
+"""A callback the SLURM tests put into a job: it has SLURM stop the job once, mid-run, as a pre-emption would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import lightning as L
+
+
+class PreemptOnce(L.Callback):
+    """On the job's first attempt, at ``step``, rank 0 asks SLURM to stop it: ``scontrol requeue`` (SLURM
+    then sends SIGTERM to every task and queues the job again) or ``scancel --signal=USR1`` (every task
+    gets SIGUSR1, as ``sbatch --signal=USR1@<s>`` sends it before the time limit; the run requeues
+    itself). The steps after it are slowed, so that the run is still training when the signal lands.
+    Writes ``preempted.txt`` (the step the run saved) into the run dir when the run stops.
+    """
+
+    def __init__(self, how: str, step: int) -> None:
+        self.how, self.step, self.asked = how, step, False
+
+    def _first_attempt(self) -> bool:
+        return os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._first_attempt() or trainer.global_step < self.step:
+            return
+        if not self.asked and trainer.global_rank == 0:
+            job = os.environ["SLURM_JOB_ID"]
+            command = ["scontrol", "requeue", job] if self.how == "scontrol_requeue" else ["scancel", "-s", "USR1", job]
+            subprocess.Popen(command)
+        self.asked = True
+        time.sleep(0.3)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        from multiloss.callbacks import RunPreempted
+
+        if isinstance(exception, RunPreempted) and trainer.global_rank == 0 and exception.checkpoint:
+            Path(exception.checkpoint).parent.parent.joinpath("preempted.txt").write_text(f"{exception.step}\n")

@@ -1,0 +1,133 @@
+"""The cluster path run on a real one-node SLURM (`tests.slurm_cluster`): 2 ranks under srun, gloo.
+
+An sbatch DDP job; a Hydra sweep through ``hydra/launcher=slurm`` with no launcher overrides; a job
+whose config is wrong, reported to the submitting command in one line; a job requeued mid-run
+(``scontrol requeue``, and SIGUSR1 as ``sbatch --signal`` sends it) that continues from the step it
+saved, to the same weights as a run never interrupted. ``make test-slurm`` runs these alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import QUIET, ROOT, load_weights, run_cli
+from tests.slurm_cluster import Unavailable, start_cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.slow]
+
+RUN = (*QUIET, "~callbacks.loss_curves")
+# 2 ranks: multihead on the digits, 12 optimizer steps an epoch (64 examples a rank a step).
+MULTIHEAD = ("recipe=multihead", "model.net.width=32", "model.net.dropout=0.2", "data.batch_size=64")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        up = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except Unavailable as err:
+        pytest.skip(f"no SLURM cluster on this machine: {err}")
+    yield up
+    up.stop()
+
+
+def _script(*overrides: str, tasks: int = 2, out: Path) -> str:
+    args = " ".join(f"'{o}'" for o in (*RUN, *overrides))
+    return (
+        "#!/bin/bash\n"
+        f"#SBATCH --nodes=1 --ntasks-per-node={tasks} --cpus-per-task=1\n"
+        f"#SBATCH --output={out}/slurm-%j.out --open-mode=append\n"
+        "export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
+        f"srun {sys.executable} {ROOT / 'train.py'} {args}\n"
+    )
+
+
+def _step(ckpt: Path) -> int:
+    return torch.load(ckpt, weights_only=True)["global_step"]
+
+
+def test_an_sbatch_job_of_two_ranks_trains_into_one_run_dir_with_a_log_per_rank(cluster, tmp_path):
+    job = cluster.sbatch(_script("recipe=gan", "trainer=ddp_cpu", "trainer.max_steps=6", out=tmp_path), tmp_path)
+    assert cluster.wait(job) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    (run,) = (tmp_path / "outputs/gan").iterdir()
+    assert run.name == f"slurm-{job}-0"  # the job's id, not the clock: a requeued job finds it again
+    assert _step(run / "checkpoints/last.ckpt") == 6
+    assert sorted(p.name for p in run.glob("*.log")) == ["train.log", "train_rank1.log"]
+    assert "on rank 1 of 2" in (run / "train_rank1.log").read_text()
+    assert "on rank 0 of 2" in (run / "train.log").read_text()
+
+
+def _sweep(cluster, tmp_path: Path, *overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**cluster.env, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm", *RUN, *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_hydra_sweep_of_two_cpu_jobs_runs_on_slurm_into_one_sweep_dir(cluster, tmp_path):
+    proc = _sweep(cluster, tmp_path, "recipe=multihead,gan", "trainer=ddp_cpu", "trainer.max_steps=4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (sweep,) = (tmp_path / "multirun").iterdir()  # one dir for the sweep over recipe=
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1"]
+    for job in ("0", "1"):
+        assert _step(sweep / job / "checkpoints/last.ckpt") == 4
+        assert (sweep / job / "train_rank1.log").is_file()
+
+
+def test_a_bad_config_in_a_submitted_job_comes_back_to_the_submitter_in_one_line(cluster, tmp_path):
+    started = time.monotonic()
+    proc = _sweep(cluster, tmp_path, "recipe=gan", "model.n_critic=0", "trainer=cpu", timeout=180)
+    took = time.monotonic() - started
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "multiloss: config error: model.n_critic=0" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    (log,) = [line.split("job log: ")[1] for line in proc.stderr.splitlines() if "job log: " in line]
+    assert "multiloss: config error: model.n_critic=0" in Path(log).read_text()
+    assert "Traceback" not in proc.stderr
+    print(f"the submitter had the job's message after {took:.0f} s")
+    assert took < 120
+
+
+def _requeue_script(how: str, out: Path, run: Path) -> str:
+    return _script(
+        *MULTIHEAD,
+        "trainer=ddp_cpu",
+        "trainer.max_steps=40",
+        f"hydra.run.dir={run}",
+        "+callbacks.preempt._target_=tests.slurm_helpers.PreemptOnce",
+        f"+callbacks.preempt.how={how}",
+        "+callbacks.preempt.step=17",
+        out=out,
+    )
+
+
+@pytest.mark.parametrize("how", ["scontrol_requeue", "sigusr1"])
+def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, tmp_path, how):
+    run = tmp_path / "run"
+    job = cluster.sbatch(_requeue_script(how, tmp_path, run), tmp_path)
+    state = cluster.wait(job, timeout=400)
+    log = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("slurm-*.out"))
+    assert state == "COMPLETED", log
+    assert cluster.job(job).get("Restarts") == "1", log  # the same job, requeued once
+    record = (run / "preempted.txt").read_text().split()
+    saved_step = int(record[0])
+    assert 17 < saved_step < 40  # mid-run, mid-epoch, where the signal found it
+    assert _step(run / "checkpoints/last.ckpt") == 40
+
+    # The same 40 steps, never interrupted (Lightning's own DDP launch, the same 2 ranks).
+    straight = tmp_path / "straight"
+    proc = run_cli(*RUN, *MULTIHEAD, "trainer=ddp_cpu", "trainer.max_steps=40", f"hydra.run.dir={straight}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
+    assert worst == 0.0, f"the requeued run's weights differ by {worst:.3g}"
