@@ -159,7 +159,8 @@ def start_cluster(root: Path) -> Cluster:
                 f"SlurmdPort={_free_port()}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
-                f"AuthInfo=socket={sock}",
+                # cred_expire: also how long a requeued job waits before it starts again (default 120 s)
+                f"AuthInfo=socket={sock},cred_expire=10",
                 "SlurmUser=root",
                 "SlurmdUser=root",
                 f"StateSaveLocation={root / 'state'}",

@@ -227,6 +227,50 @@ def test_torchrun_launch(tmp_path):
     assert len(list(out.rglob("metrics.csv"))) == 1
 
 
+def test_torchrun_restarts_a_job_whose_rank_died_and_it_continues_exactly(tmp_path):
+    """``torchrun --max-restarts=1``: rank 1 dies (exit 3) in epoch 2; torchrun restarts both ranks,
+    which find their run dir (named after the launch) and its last.ckpt (epoch 1's end) by
+    themselves and train on to the same weights as a run never interrupted."""
+    common = (
+        "recipe=multihead",
+        "model.net.width=32",
+        "model.net.dropout=0.2",
+        "data.batch_size=128",
+        "trainer.strategy=ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=3",
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [
+            *torchrun,
+            "--max-restarts=1",
+            str(ROOT / "train.py"),
+            *QUIET_RUN,
+            *common,
+            "+callbacks.die._target_=tests.helpers.DieOnce",
+            "+callbacks.die.rank=1",
+            "+callbacks.die.step=9",  # 6 steps an epoch (1438 examples, 2 × 128 a step): epoch 2
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = (tmp_path / "outputs/multihead").iterdir()
+    assert "Restoring states from the checkpoint path" in proc.stdout + proc.stderr
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 18
+
+    straight = _train(tmp_path / "straight", *common)
+    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
+    assert worst == 0.0, f"the restarted run's weights differ by {worst:.3g}"
+
+
 @pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "tbptt", "accumulation"])
 def test_bf16_mixed_precision_runs_every_recipe(make_cfg, tmp_path, recipe):
     from multiloss import train

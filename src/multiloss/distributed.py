@@ -26,6 +26,7 @@ from typing import Any
 from unittest import mock
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
@@ -125,6 +126,29 @@ class DDPStrategy(LightningDDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is subprocess_script._SubprocessScriptLauncher:
             self._launcher = _HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_distributed(self) -> None:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps one store (its agent's) for every restart of the workers, while the
+            # process group's rendezvous assumes a fresh store per attempt: a restarted rank could
+            # read the address a dead rank of the last attempt published, and fail or hang
+            # ("Gloo connectFullMesh failed ... Connection refused"). Each attempt's keys get a
+            # prefix of their own; Lightning then finds the group made.
+            self.set_world_ranks()
+            env = self.cluster_environment
+            assert env is not None
+            store = torch.distributed.TCPStore(
+                env.main_address, env.main_port, world_size=env.world_size(), is_master=False, timeout=self._timeout
+            )
+            torch.distributed.init_process_group(
+                self._get_process_group_backend(),
+                rank=env.global_rank(),
+                world_size=env.world_size(),
+                store=torch.distributed.PrefixStore(f"multiloss/attempt_{attempt}", store),
+                timeout=self._timeout,
+            )
+        super().setup_distributed()
 
     def configure_ddp(self) -> None:
         module = self.lightning_module
