@@ -343,3 +343,18 @@ def test_rename_onto_an_array_the_file_already_has_is_refused(tmp_path):
     assert err.value.key == "rename.features" and "one of the two would be lost" in err.value.message
     renamed = NpzDataModule(str(tmp_path / "both.npz"), rename={"features": "x", "x": "extra"})
     assert renamed.arrays["x"].sum() == 0 and renamed.arrays["extra"].sum() == 8  # both kept
+
+
+def test_the_readmes_rename_and_dtypes_syntax_works_from_the_command_line(make_cfg, tmp_path):
+    from multiloss.testing import build, first_batch
+
+    np.savez(tmp_path / "mine.npz", features=np.random.rand(20, 3), label=np.arange(20) % 2)
+    cfg = make_cfg(
+        "data=npz",
+        f"data.path={tmp_path / 'mine.npz'}",
+        "data.rename={features: x, label: y}",
+        "data.dtypes={x: float64}",
+        output_dir=tmp_path / "run",
+    )
+    batch = first_batch(build(cfg)[0])
+    assert set(batch) == {"x", "y"} and batch["x"].dtype == torch.float64

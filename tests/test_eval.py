@@ -93,3 +93,11 @@ def test_eval_refuses_another_split_and_another_recipe(tmp_path: Path) -> None:
         evaluate(cfg)
     # Rejected before writing anything.
     assert not any((tmp_path / d).exists() for d in ("eval", "eval2", "eval3"))
+
+
+def test_eval_into_a_training_runs_dir_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    ckpt, _ = _train("multihead", tmp_path / "train")
+    before = {p: p.read_bytes() for p in (tmp_path / "train" / ".hydra").iterdir()}
+    with pytest.raises(ConfigError, match=r"hydra\.run\.dir=.*another run's records"):
+        evaluate(_eval_config(f"ckpt_path={ckpt}", output_dir=tmp_path / "train"))
+    assert {p: p.read_bytes() for p in (tmp_path / "train" / ".hydra").iterdir()} == before

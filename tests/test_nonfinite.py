@@ -104,3 +104,15 @@ def test_gan_steps_are_guarded_under_manual_optimization(make_cfg, tmp_path):
 def test_a_healthy_run_is_not_stopped(make_cfg, tmp_path):
     train(make_cfg(*SMALL, "trainer.max_steps=10", output_dir=tmp_path))
     assert _finite(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_the_checkpoint_a_stop_names_exists(make_cfg, tmp_path):
+    # NaN at the first step of a 3-step run: nothing saved yet, and the message says so.
+    with pytest.raises(NonFiniteError, match=r"last good checkpoint: none saved yet"):
+        train(make_cfg(*SMALL, *_nan_net(1), "trainer.max_steps=3", output_dir=tmp_path / "short"))
+    # A resumed run that goes NaN before its first save names the checkpoint it resumed from.
+    train(make_cfg(*SMALL, "trainer.max_steps=3", output_dir=tmp_path / "good"))
+    good = tmp_path / "good/checkpoints/last.ckpt"
+    with pytest.raises(NonFiniteError) as err:
+        train(make_cfg(*SMALL, *_nan_net(1), "trainer.max_steps=6", f"ckpt_path={good}", output_dir=tmp_path / "on"))
+    assert f"last good checkpoint: {good}" in str(err.value)

@@ -69,3 +69,26 @@ def test_resume_from_periodic_checkpoint_equals_straight_run(make_cfg, tmp_path)
         load_weights(tmp_path / "resumed/checkpoints/last.ckpt"),
         load_weights(tmp_path / "straight/checkpoints/last.ckpt"),
     )
+
+
+def test_a_resume_applies_the_configs_learning_rate_and_says_so(make_cfg, tmp_path, caplog):
+    first = tmp_path / "first"
+    train(make_cfg(*SMALL, "model.optimizer.lr=0.003", "trainer.max_steps=5", output_dir=first))
+    ckpt = first / "checkpoints/last.ckpt"
+    with caplog.at_level("INFO", logger="multiloss"):
+        train(make_cfg(*SMALL, "model.optimizer.lr=0.0001", "trainer.max_steps=8", "ckpt_path=last", output_dir=first))
+    (group,) = torch.load(ckpt, weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert group["lr"] == 0.0001
+    assert "resuming with model.optimizer.lr=0.0001 (the checkpoint's 0.003)" in caplog.text
+
+
+def test_a_resume_with_another_optimizer_is_refused_before_anything_is_written(make_cfg, tmp_path):
+    from multiloss.config import ConfigError
+
+    first = tmp_path / "first"
+    train(make_cfg(*SMALL, "trainer.max_steps=3", output_dir=first))
+    record = (first / ".hydra/config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"model\.optimizer='?SGD'?: the checkpoint's optimizer has other settings"):
+        train(make_cfg(*SMALL, "optimizer=sgd", "trainer.max_steps=6", "ckpt_path=last", output_dir=first))
+    assert (first / ".hydra/config.yaml").read_text() == record
+    assert torch.load(first / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3

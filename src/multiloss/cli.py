@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,18 @@ CONFIGS = "pkg://multiloss.configs"
 
 def train_main() -> None:
     """``multiloss-train [overrides]``: what ``python train.py`` does."""
+    _refuse_a_file_as_run_dir(sys.argv[1:])
     _hydra_main("train", train_task)()
+
+
+def _refuse_a_file_as_run_dir(args: list[str]) -> None:
+    """``hydra.run.dir=<an existing file>``: Hydra would fail making it, with a traceback, before any task runs."""
+    for arg in args:
+        key, _, value = arg.partition("=")
+        path = Path(value.strip("'\"")).expanduser() if key.lstrip("+") == "hydra.run.dir" and value else None
+        if path is not None and path.exists() and not path.is_dir():
+            _print_error("config error", f"hydra.run.dir={value}: it is a file\n  accepted: a directory")
+            raise SystemExit(2)
 
 
 def eval_main() -> None:
@@ -146,21 +156,13 @@ def _fail(kind: str, message: str, exit_code: int) -> None:
 
 
 def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
+    from multiloss.run_dir import resume_argument
+
     if checkpoint is None or not checkpoint.is_file():
         return ""
     if os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"):
         return ""  # the requeued or restarted job finds it by itself
     return f"; continue with: {resume_argument(checkpoint)}"
-
-
-def resume_argument(checkpoint: Path | str) -> str:
-    """``ckpt_path=<file>`` as a shell argument Hydra parses back to the same path (spaces and all)."""
-    text = str(checkpoint)
-    if any(c in text for c in '"$`'):
-        return shlex.quote(f"ckpt_path='{text}'") if "'" not in text else shlex.quote(f'ckpt_path="{text}"')
-    if all(c.isalnum() or c in "/._-+" for c in text):
-        return f"ckpt_path={text}"
-    return f"\"ckpt_path='{text}'\""
 
 
 def _remove_if_empty(cfg: DictConfig) -> None:
@@ -206,6 +208,8 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     if metrics:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
+    from multiloss.run_dir import resume_argument
+
     last = out / "checkpoints" / "last.ckpt"
     resume = f"; resume: {resume_argument(last)}" if last.is_file() else ""
     console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True)

@@ -88,9 +88,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from multiloss.callbacks import LossCurves
     from multiloss.checkpoints import verify_checkpoint
     from multiloss.console import save_run_config
+    from multiloss.run_dir import refuse_a_runs_dir
 
     check_config(cfg)
     require(bool(cfg.get("ckpt_path")), "ckpt_path", cfg.get("ckpt_path"), "the checkpoint to evaluate (a .ckpt file)")
+    refuse_a_runs_dir(cfg.paths.output_dir)
     datamodule, model = build_data_and_model(cfg)
     # Not the callbacks only training uses (a checkpoint callback would reload its state and warn
     # about the training run's dir).

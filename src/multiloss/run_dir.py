@@ -11,6 +11,7 @@ a dir holding checkpoints unless the run resumes from one of them (it continues 
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 from pathlib import Path
 
@@ -45,13 +46,42 @@ def check_run_dir(output_dir: str | Path, ckpt_path: str | None, overwrite: bool
         return
     resuming_here = ckpt_path is not None and Path(ckpt_path).resolve().parent == checkpoints.resolve()
     if not resuming_here:
+        last = checkpoints / "last.ckpt"
+        resume = "ckpt_path=last" if last.is_file() else resume_argument(existing[-1])
         raise ConfigError(
             "hydra.run.dir",
             str(output_dir),
-            f"a new run dir (leave hydra.run.dir unset for a fresh one), ckpt_path={existing[-1]} to continue "
+            f"a new run dir (leave hydra.run.dir unset for a fresh one), {resume} to continue "
             "the run that is there, or overwrite=true to train over it",
             f"it holds another run's checkpoints ({', '.join(p.name for p in existing[:3])})",
         )
+
+
+def refuse_a_runs_dir(output_dir: str | Path) -> None:
+    """`ConfigError` if ``output_dir`` holds another run's records (its ``.hydra/``, checkpoints, metrics).
+
+    For commands that write a run dir of their own (``multiloss-eval``): aimed at a training run's
+    dir, they would replace its ``.hydra/`` config copies with their own.
+    """
+    out = Path(output_dir)
+    records = [name for name in (".hydra", "checkpoints", "csv", LOCK) if (out / name).exists()]
+    if records:
+        raise ConfigError(
+            "hydra.run.dir",
+            str(output_dir),
+            "a dir of its own (leave hydra.run.dir unset: outputs/eval/<recipe>/<time>)",
+            f"it holds another run's records ({', '.join(records)}), which this run would overwrite",
+        )
+
+
+def resume_argument(checkpoint: Path | str) -> str:
+    """``ckpt_path=<file>`` as a shell argument Hydra parses back to the same path (spaces and all)."""
+    text = str(checkpoint)
+    if any(c in text for c in '\\"$`'):
+        return shlex.quote(f"ckpt_path='{text}'") if "'" not in text else shlex.quote(f'ckpt_path="{text}"')
+    if all(c.isalnum() or c in "/._-+" for c in text):
+        return f"ckpt_path={text}"
+    return f"\"ckpt_path='{text}'\""
 
 
 def _alive(pid: int) -> bool:

@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer, lightning_said
 from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, Preemption, RngState
+from multiloss.callbacks.resume import ResumeRule
 from multiloss.callbacks.run_record import RunRecord
 from multiloss.checkpoints import verify_checkpoint
 from multiloss.config import ConfigError, check_config
@@ -28,11 +29,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # `ckpt_path=`), RunRecord (the run's config copies, once fit() has checked the components on a
     # batch of the data), the non-finite guard (nothing NaN trains on silently or reaches a
     # checkpoint), the graph-leak detector (a graph kept from step to step, over the first batches),
-    # Preemption (SIGTERM saves the step reached and stops the run with a non-zero exit).
+    # Preemption (SIGTERM saves the step reached and stops the run with a non-zero exit), the
+    # resume rule (the config's optimizer settings apply to a resumed run; another optimizer is refused).
     record = RunRecord(cfg)
-    trainer = build_trainer(
-        cfg, [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector(), Preemption()]
-    )
+    always = [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector(), Preemption()]
+    trainer = build_trainer(cfg, [*always, ResumeRule(cfg)])
     # Settings only the recipe can judge against the built Trainer (trainer.accumulate_grad_batches
     # under manual optimization): rejected here, before any file is written.
     if isinstance(model, Recipe):
@@ -43,14 +44,45 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
     except RuntimeError as err:
+        if (monitored := _unknown_monitor(cfg, err)) is not None:
+            raise monitored from None
         explain(err)  # an autograd pitfall gets its cause and fix under PyTorch's message
         raise
     except (MisconfigurationException, ValueError) as err:
         # Lightning judges some Trainer values only against the data, inside fit (val_check_interval
         # against the number of batches): before training started (and RunRecord wrote anything),
         # an error naming a Trainer argument is a config error.
+        if "empty parameter list" in str(err):
+            raise _without_parameters(cfg, model) from None
         named = any(str(k) in str(err) for k in cfg.trainer if not str(k).startswith("_"))
         if isinstance(err, ConfigError) or record.started or not named:
             raise
         raise lightning_said("trainer", cfg.trainer, err) from None
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def _unknown_monitor(cfg: DictConfig, err: RuntimeError) -> ConfigError | None:
+    """Lightning's EarlyStopping on a metric the run never logs (found at the first validation): the key."""
+    text = str(err)
+    if "conditioned on metric" not in text:
+        return None
+    for name, node in (cfg.get("callbacks") or {}).items():
+        monitor = node.get("monitor") if node else None
+        if monitor and f"`{monitor}`" in text:
+            available = text.split("Available metrics are:")[-1].strip().rstrip(".")
+            return ConfigError(
+                f"callbacks.{name}.monitor", monitor, f"a metric the run logs: {available}", "never logged"
+            )
+    return None
+
+
+def _without_parameters(cfg: DictConfig, model: object) -> ConfigError:
+    """An optimizer over no parameters: name the component that has none."""
+    import torch
+
+    for name, child in model.named_children() if isinstance(model, torch.nn.Module) else ():
+        node = cfg.model.get(name) if name in ("net", "generator", "discriminator") else None
+        if node is not None and not any(p.requires_grad for p in child.parameters()):
+            target = node.get("_target_") if hasattr(node, "get") else node
+            return ConfigError(f"model.{name}", target, "a network with trainable parameters", "it has none")
+    return ConfigError("model", cfg.model.get("_target_"), "networks with trainable parameters", "none to optimize")

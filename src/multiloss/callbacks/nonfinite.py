@@ -22,6 +22,7 @@ the step. ``nonfinite`` (a top-level key) chooses what happens:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -124,9 +125,11 @@ def nonfinite_weights(module: torch.nn.Module) -> list[str]:
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str | None:
+    """The newest checkpoint on disk of finite weights: this run's last save, else the one it resumed from."""
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
             path = callback.last_model_path or getattr(callback, "_last_checkpoint_saved", "")
-            if path:
+            if path and Path(path).is_file():
                 return str(path)
-    return None
+    resumed = trainer.ckpt_path
+    return str(resumed) if resumed and Path(resumed).is_file() else None

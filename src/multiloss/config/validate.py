@@ -52,6 +52,13 @@ def check_config(cfg: DictConfig) -> None:
         cfg.get("nonfinite"),
         "stop (end the run, naming the component and the step), skip (drop such steps) or off",
     )
+    seed = cfg.get("seed", 0)
+    require(
+        isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32,
+        "seed",
+        seed,
+        "an integer from 0 to 4294967295 (numpy's seed range)",
+    )
     for key in ("data", "model", "trainer"):
         require(isinstance(cfg.get(key), DictConfig), key, cfg.get(key), "a config node with a `_target_`")
         check_node(cfg[key], key)

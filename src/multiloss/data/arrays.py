@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, StackDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from multiloss.config import require
+from multiloss.config import ConfigError, require
 from multiloss.data.streams import TokenStreams
 
 
@@ -118,6 +118,13 @@ class ArrayDataModule(L.LightningDataModule):
         world_size, rank = self._ranks()
         if self.streams is not None:
             return self.streams.loader("train", world_size, rank)
+        if self.drop_last and len(self.train_set) // world_size < self.batch_size:
+            raise ConfigError(
+                "data.drop_last",
+                True,
+                f"false, or data.batch_size ≤ the {len(self.train_set) // world_size} training examples a rank has",
+                f"with data.batch_size={self.batch_size} every batch would be dropped: an epoch of 0 steps",
+            )
         sampler = _EpochSampler(
             self.train_set,
             trainer_epoch=self._trainer_epoch,

@@ -189,8 +189,11 @@ class NpzDataModule(ArrayDataModule):
         except ConfigError:
             raise
         except Exception as err:  # a damaged file, a pickle, not numpy at all: all the same to a user
+            # numpy takes whatever is not a zip or .npy header for a pickle, and suggests loading it
+            # unsafely: never the advice to give for a text file named .npz.
+            said = "not a numpy file (no .npz/.npy header: text, or another format?)" if "pickle" in str(err) else err
             raise ConfigError(
-                key, str(path), "a .npz (np.savez) or .npy file of numeric arrays", f"cannot read it: {err}"
+                key, str(path), "a .npz (np.savez) or .npy file of numeric arrays", f"cannot read it: {said}"
             ) from None
         require(len(arrays) > 0, key, str(path), "a .npz holding at least one array", "it holds none")
         if keys is not None:
