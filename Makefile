@@ -5,6 +5,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): each imports torch once (~0.6 GB); the SLURM module stays on one.
+PYTEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multiloss-installed
@@ -25,11 +27,11 @@ train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The SLURM tests alone: a real one-node cluster (installed with apt-get when missing, as root).
 test-slurm: $(STAMP)
-	$(BIN)/python -m pytest -m slurm $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m slurm -n 0 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -142,7 +142,7 @@ def test_a_sweep_runs_without_naming_its_sweep_dir(tmp_path):
     """The README's `python train.py -m recipe=multihead seed=1,2`, as written: one run dir per job."""
     proc = run_cli("-m", "recipe=multihead", "seed=1,2", "trainer.max_steps=2", *QUICK_CLI, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (sweep,) = (tmp_path / "multirun" / "multihead").iterdir()
+    (sweep,) = (tmp_path / "multirun").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     for job in ("0", "1"):
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()

@@ -39,7 +39,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_ships_configs_and_recipes_inside_the_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"multiloss", f"{wheel.name.split('-py3')[0]}.dist-info"}
+    # The package, and the SLURM launcher where Hydra looks for launchers (hydra_plugins/, a namespace).
+    top = {"multiloss", "hydra_plugins", f"{wheel.name.split('-py3')[0]}.dist-info"}
+    assert {n.split("/")[0] for n in names} == top
+    assert "hydra_plugins/multiloss_slurm/__init__.py" in names and "hydra_plugins/__init__.py" not in names
     shipped = {n.removeprefix("multiloss/configs/") for n in names if n.startswith("multiloss/configs/")}
     expected = {str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "local"}
     assert expected <= shipped, f"config files missing from the wheel (pyproject's packages?): {expected - shipped}"

@@ -19,7 +19,8 @@ import torch
 from tests.conftest import QUIET, ROOT, load_weights, run_cli
 from tests.slurm_cluster import Unavailable, start_cluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.slow]
+# One worker (pytest-xdist) runs the whole module: one cluster for all of it.
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 RUN = (*QUIET, "~callbacks.loss_curves")
 # 2 ranks: multihead on the digits, 12 optimizer steps an epoch (64 examples a rank a step).
@@ -111,8 +112,17 @@ def _requeue_script(how: str, out: Path, run: Path) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The same 40 steps, never interrupted (Lightning's own DDP launch, the same 2 ranks)."""
+    straight = tmp_path_factory.mktemp("straight") / "run"
+    proc = run_cli(*RUN, *MULTIHEAD, "trainer=ddp_cpu", "trainer.max_steps=40", f"hydra.run.dir={straight}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return straight / "checkpoints/last.ckpt"
+
+
 @pytest.mark.parametrize("how", ["scontrol_requeue", "sigusr1"])
-def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, tmp_path, how):
+def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, uninterrupted, tmp_path, how):
     run = tmp_path / "run"
     job = cluster.sbatch(_requeue_script(how, tmp_path, run), tmp_path)
     state = cluster.wait(job, timeout=400)
@@ -124,10 +134,6 @@ def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, tmp_pa
     assert 17 < saved_step < 40  # mid-run, mid-epoch, where the signal found it
     assert _step(run / "checkpoints/last.ckpt") == 40
 
-    # The same 40 steps, never interrupted (Lightning's own DDP launch, the same 2 ranks).
-    straight = tmp_path / "straight"
-    proc = run_cli(*RUN, *MULTIHEAD, "trainer=ddp_cpu", "trainer.max_steps=40", f"hydra.run.dir={straight}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt")
+    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(uninterrupted)
     worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
     assert worst == 0.0, f"the requeued run's weights differ by {worst:.3g}"
