@@ -199,3 +199,22 @@ def test_without_a_checkpoint_callback_sigterm_still_stops_the_run_and_says_noth
             )
         )
     assert stopped.value.checkpoint is None and stopped.value.step == 4
+
+
+def test_a_run_in_a_worker_thread_trains_and_leaves_signals_alone(make_cfg, tmp_path):
+    import threading
+
+    errors: list[BaseException] = []
+    cfg = make_cfg(*RECIPES["multihead"], "trainer.max_steps=2", output_dir=tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    def run() -> None:
+        try:
+            train(cfg)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert not errors and _global_step(tmp_path) == 2
+    assert signal.getsignal(signal.SIGTERM) is before

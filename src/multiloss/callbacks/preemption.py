@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,8 @@ class Preemption(LeanCallback):
             self._delegated = True
 
     def _install(self, trainer: L.Trainer) -> None:
-        if self._previous:
-            return
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only (a run in a worker thread keeps its own)
         self._trainer = trainer
         signums = STOP_SIGNALS + (REQUEUE_SIGNALS if under_slurm() else ())
         for signum in signums:
