@@ -207,10 +207,11 @@ def test_a_run_in_a_worker_thread_trains_and_leaves_signals_alone(make_cfg, tmp_
     errors: list[BaseException] = []
     cfg = make_cfg(*RECIPES["multihead"], "trainer.max_steps=2", output_dir=tmp_path)
     before = signal.getsignal(signal.SIGTERM)
+
     def run() -> None:
         try:
             train(cfg)
-        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as err:  # reported by the assertion below
             errors.append(err)
 
     worker = threading.Thread(target=run)
