@@ -63,6 +63,22 @@ def test_an_sbatch_job_of_two_ranks_trains_into_one_run_dir_with_a_log_per_rank(
     assert "on rank 0 of 2" in (run / "train.log").read_text()
 
 
+def test_srun_with_ntasks_not_matching_the_trainer_is_one_line_and_leaves_no_run_dir(cluster, tmp_path):
+    proc = subprocess.run(
+        ["srun", "-N1", "-n2", sys.executable, str(ROOT / "train.py"), *RUN, "trainer=cpu", "trainer.max_steps=2"],
+        cwd=tmp_path,
+        env={**cluster.env, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("multiloss: config error: trainer.devices=1")]
+    assert len(said) == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # one line from each task
+    assert "--ntasks-per-node" in proc.stderr
+    assert not (tmp_path / "outputs").exists() or not any(p.is_file() for p in (tmp_path / "outputs").rglob("*"))
+
+
 def _sweep(cluster, tmp_path: Path, *overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**cluster.env, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     return subprocess.run(

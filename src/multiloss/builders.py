@@ -77,6 +77,15 @@ def _config_errors(path: str, node: DictConfig) -> Iterator[None]:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         if isinstance(cause, ConfigError):
             raise cause.under(path) from None
+        if path == "trainer" and isinstance(cause, RuntimeError) and "SLURM" in str(cause):
+            # Lightning's SLURMEnvironment refuses a job whose tasks do not match the Trainer.
+            raise ConfigError(
+                "trainer.devices",
+                node.get("devices"),
+                "one task per device: sbatch/srun --ntasks-per-node=<trainer.devices> (not --ntasks), "
+                "--nodes=<trainer.num_nodes>",
+                f"rejected by Lightning under SLURM: {cause}",
+            ) from None
         if isinstance(cause, ImportError):  # e.g. logger=wandb without the wandb package
             raise ConfigError(
                 path,
