@@ -146,3 +146,20 @@ class DieOnce(L.Callback):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step >= self.step:
             os._exit(3)
+
+
+def char_streams(train_file: Path, val_file: Path) -> tuple[str, ...]:
+    """tbptt over character streams of two text files, plain SGD at 0.5, no clipping: the overrides the
+    stream proofs share (each adds its sizes and its net)."""
+    return (
+        "recipe=tbptt",
+        "data=text",
+        f"data.path={train_file}",
+        f"data.val_path={val_file}",
+        "data.level=chars",
+        "data.layout=streams",
+        "model.gradient_clip_val=null",
+        "optimizer=sgd",
+        "model.optimizer.lr=0.5",
+        "model.sample_length=5",
+    )

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
 from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_weights, run_cli
-from tests.helpers import padded_tbptt, padded_token_npz
+from tests.helpers import char_streams, padded_tbptt, padded_token_npz
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -457,20 +457,11 @@ def test_tbptt_streams_on_two_ranks_equal_the_loop_over_all_their_streams(tmp_pa
     train_file.write_text(pydoc_text()[:400])
     val_file.write_text(pydoc_text()[400:500])
     common = (
-        "recipe=tbptt",
-        "data=text",
-        f"data.path={train_file}",
-        f"data.val_path={val_file}",
-        "data.level=chars",
-        "data.layout=streams",
+        *char_streams(train_file, val_file),
         "data.seq_len=12",
         "model.chunk_length=4",
         "model.net.embedding_dim=8",
         "model.net.hidden_size=16",
-        "model.gradient_clip_val=null",
-        "optimizer=sgd",
-        "model.optimizer.lr=0.5",
-        "model.sample_length=5",
         "trainer.max_steps=15",  # 5 windows of 3 chunks, each rank its own 2 streams
         "trainer.limit_val_batches=0",
         "trainer.num_sanity_val_steps=0",

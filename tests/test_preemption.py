@@ -192,8 +192,7 @@ def test_without_a_checkpoint_callback_sigterm_still_stops_the_run_and_says_noth
                 *(o for o in RECIPES["multihead"] if not o.startswith("~callbacks")),
                 "trainer.max_steps=9",
                 "callbacks=none",
-                "+callbacks.signal._target_=tests.helpers.SignalAt",
-                "+callbacks.signal.step=3",
+                *_signal_at(step=3),
                 "+trainer.enable_checkpointing=false",
                 output_dir=tmp_path,
             )

@@ -21,7 +21,7 @@ from multiloss import ConfigError, testing, train
 from multiloss.data.streams import batchify
 from multiloss.data.vocabulary import pydoc_text
 from tests.conftest import load_weights
-from tests.helpers import straight_and_resumed
+from tests.helpers import char_streams, straight_and_resumed
 
 B, SEQ_LEN, CHUNK = 4, 12, 4  # 3 chunks a window
 
@@ -39,21 +39,12 @@ def _streams(corpus: tuple[Path, Path], *overrides: str, net: tuple[str, ...] | 
     train_file, val_file = corpus
     net = ("model.net.embedding_dim=8", "model.net.hidden_size=16") if net is None else net
     return (
-        "recipe=tbptt",
-        "data=text",
-        f"data.path={train_file}",
-        f"data.val_path={val_file}",
-        "data.level=chars",
-        "data.layout=streams",
+        *char_streams(train_file, val_file),
         f"data.batch_size={B}",
         "data.val_batch_size=2",
         f"data.seq_len={SEQ_LEN}",
         f"model.chunk_length={CHUNK}",
         *net,
-        "model.gradient_clip_val=null",
-        "optimizer=sgd",
-        "model.optimizer.lr=0.5",
-        "model.sample_length=5",
         "trainer.accelerator=cpu",
         "trainer.devices=1",
         *overrides,

@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
 
 
@@ -49,8 +50,6 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
         if last_every_minutes is not None and not (
             isinstance(last_every_minutes, int | float) and last_every_minutes > 0
         ):
-            from multiloss.config import ConfigError
-
             raise ConfigError("last_every_minutes", last_every_minutes, "a number of minutes > 0, or null (off)")
         self.preemption: Any = None  # multiloss.callbacks.Preemption, set when training starts
         self.save_last_every_epoch = save_last_every_epoch

@@ -73,7 +73,7 @@ class Preemption(LeanCallback):
         self._previous: dict[int, Any] = {}
         self._trainer: L.Trainer | None = None
         self._seen_step = 0
-        self._delegated = False
+        self._checkpoint: Checkpoint | None = None  # the one that saves, and decides at its own hooks' end
 
     # --- the handlers: installed once Lightning has installed its own (it does right before the loop)
 
@@ -83,10 +83,10 @@ class Preemption(LeanCallback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
         self._seen_step = trainer.global_step
-        if (checkpoint := _last_checkpoint_callback(trainer)) is not None:
-            checkpoint.preemption = self
+        self._checkpoint = _last_checkpoint_callback(trainer)
+        if self._checkpoint is not None:
+            self._checkpoint.preemption = self
             self.on_train_batch_end = None  # type: ignore[assignment]  # Lightning skips it; the checkpoint calls in
-            self._delegated = True
 
     def _install(self, trainer: L.Trainer) -> None:
         if self._previous or threading.current_thread() is not threading.main_thread():
@@ -124,7 +124,7 @@ class Preemption(LeanCallback):
         self.batch_end(trainer, batch_idx)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._delegated:
+        if self._checkpoint is None:
             self.epoch_end(trainer)
 
     def batch_end(self, trainer: L.Trainer, batch_idx: int) -> None:
@@ -137,7 +137,7 @@ class Preemption(LeanCallback):
         self._decide(trainer)
 
     def _decide(self, trainer: L.Trainer) -> None:
-        checkpoint = _last_checkpoint_callback(trainer)
+        checkpoint = self._checkpoint
         flags = [self.signalled is not None, checkpoint is not None and checkpoint.interval_due()]
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             agreed = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
