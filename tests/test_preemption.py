@@ -68,6 +68,30 @@ def test_sigterm_saves_the_step_it_reached_and_ckpt_path_last_continues_exactly(
     _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
 
 
+@pytest.mark.parametrize(
+    "bounds",
+    [("trainer.max_steps=20",), ("trainer.max_steps=100000", "trainer.max_epochs=2"), ("trainer.max_epochs=2",)],
+    ids=["max_steps", "max_steps_and_max_epochs", "max_epochs"],
+)
+def test_sigterm_on_an_epochs_last_batch_resumes_into_the_next_epoch_whatever_bounds_the_run(
+    make_cfg, tmp_path, bounds
+):
+    # Lightning 2.6 replays a finished epoch's end when max_steps is set: one epoch counted twice
+    # (another data order; with max_epochs=2 it stopped at once, 12 of 24 steps trained).
+    common = RECIPES["multihead"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, *bounds, output_dir=straight))
+    with pytest.raises(RunPreempted):
+        train(make_cfg(*common, *bounds, *_signal_at(step=11), output_dir=run))  # the batch of step 11: epoch 0's last
+    assert _global_step(run) == 12
+
+    train(make_cfg(*common, *bounds, "ckpt_path=last", output_dir=run))
+    done = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    expected = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)
+    assert (done["global_step"], done["epoch"]) == (expected["global_step"], expected["epoch"])
+    _same(done["state_dict"], expected["state_dict"])
+
+
 def test_the_handlers_before_the_run_are_back_after_it(make_cfg, tmp_path):
     def mine(signum, frame):
         raise AssertionError("not during the run")

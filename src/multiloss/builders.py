@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
 from multiloss.distributed import multiloss_ddp
+from multiloss.lightning_internals import resume_epoch_ends_exactly
 from multiloss.module import Recipe
 
 
@@ -40,6 +41,7 @@ def build_trainer(
     # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
     if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
         trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
+    resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
     return trainer
 
 
