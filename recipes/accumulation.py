@@ -59,11 +59,14 @@ class Accumulation(Recipe):
     examples weigh as much as a full one's.
 
     The optimizer's configured LR (``model.optimizer.lr``) is the LR for ``base_batch_size`` examples
-    per step; at fit start each param group's LR is multiplied by the ``lr_scaling`` rule's factor for
-    the effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal et al. 2017, for
-    SGD), ``sqrt`` (√(B/B₀), for Adam-type optimizers) or ``none``. The scaled LR sits in the
-    optimizer, so LearningRateMonitor's ``lr-<Optimizer>`` column shows it; the rule's inputs are
-    logged as ``scaling/*`` and written to ``lr_scaling.json`` in the run dir.
+    per step; when the optimizer is built each param group's LR is multiplied by the ``lr_scaling``
+    rule's factor for the effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal
+    et al. 2017, for SGD), ``sqrt`` (√(B/B₀), for Adam-type optimizers) or ``none``; the ``scheduler``
+    then starts from that rate (a warm-up warms up to it). The rate a step uses is always configured LR
+    × rule × the schedule's factor (`multiloss.learning_rate`): a resume with another batch size, k or
+    world size applies the rule for the new effective batch from the schedule's point, and says so.
+    The scaled LR sits in the optimizer, so LearningRateMonitor's ``lr-<Optimizer>`` column shows it;
+    the rule's inputs are logged as ``scaling/*`` and written to ``lr_scaling.json`` in the run dir.
     Logs ``loss/total`` (cross-entropy) per micro-batch, ``val/loss/total`` and ``val/acc``.
 
     The shipped net has no dropout or BatchNorm by default: with either, k micro-batches of b stop
@@ -102,7 +105,6 @@ class Accumulation(Recipe):
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
         self.count_exact = bool(count_exact)
         self.scaling: dict[str, float | int | str] = {}
-        self.scaled_lrs: list[float] = []
         self.val_acc: MulticlassAccuracy | None = None  # made by the component check: the class count is the net's
 
     def check_components(self, batch: dict[str, Any]) -> None:
@@ -126,9 +128,10 @@ class Accumulation(Recipe):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def configure_optimizers(self) -> Any:
+    def lr_rule(self, optimizer: Any) -> tuple[float, dict[str, Any]]:
         # Called once the trainer knows its world size and the datamodule its batch size, so the
-        # effective batch is known exactly here, for one device or many.
+        # effective batch is known exactly here, for one device or many. The factor multiplies each
+        # group's configured rate once, before the schedule takes it as its base (multiloss.learning_rate).
         trainer = self.trainer
         batch_size = getattr(trainer.datamodule, "batch_size", None)
         if batch_size is None:
@@ -141,15 +144,7 @@ class Accumulation(Recipe):
         accumulate, world_size = self.accumulate_grad_batches, trainer.world_size
         effective = effective_batch_size(batch_size, accumulate, world_size)
         factor = lr_factor(effective, self.base_batch_size, self.lr_scaling)
-
-        optimizer = self.optimizer_factory(self.parameters())
         base_lr = optimizer.param_groups[0]["lr"]
-        # The LR goes into the param groups themselves (not a scaled loss), so the optimizer, the
-        # checkpoint and LearningRateMonitor's `lr-<Optimizer>` column all hold the rule's result. Every
-        # group keeps its own base LR, scaled by the same factor (a schedule then works from these).
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-        self.scaled_lrs = [group["lr"] for group in optimizer.param_groups]
         self.scaling = {
             "rule": self.lr_scaling,
             "base_lr": base_lr,
@@ -159,24 +154,19 @@ class Accumulation(Recipe):
             "world_size": world_size,
             "effective_batch_size": effective,
             "factor": factor,
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": base_lr * factor,
         }
         rank_zero_info(
             f"LR scaling ({self.lr_scaling}): effective batch {batch_size} × {accumulate} × {world_size} = "
             f"{effective} vs base {self.base_batch_size} -> lr {base_lr:g} × {factor:g} = {self.scaling['lr']:g}"
         )
-        return self.with_schedule(optimizer)
+        inputs = {"lr_scaling": self.lr_scaling, "effective_batch_size": effective}
+        return factor, {**inputs, "base_batch_size": self.base_batch_size}
 
     def output_callbacks(self) -> list[L.Callback]:
         return [JsonRecord("lr_scaling.json", "scaling")]
 
     def on_train_start(self) -> None:
-        # A resumed run restores the optimizer's state, LRs included, after configure_optimizers:
-        # put back the LRs for *this* run's effective batch (a resume on more ranks, or with
-        # another k, scales again instead of keeping the old run's LR).
-        for opt in self.trainer.optimizers:
-            for group, lr in zip(opt.param_groups, self.scaled_lrs):
-                group["lr"] = lr
         # Not `lr*` names: the contract's "column starting with lr" is the LR actually used.
         self.log_dict(
             {

@@ -202,7 +202,7 @@ class GAN(Recipe):
         # Named param groups: LearningRateMonitor logs `lr-<Optimizer>/generator` and `.../discriminator`.
         opt_g = self.g_optimizer_factory([{"params": self.generator.parameters(), "name": "generator"}])
         opt_d = self.d_optimizer_factory([{"params": self.discriminator.parameters(), "name": "discriminator"}])
-        return [self.with_schedule(opt_g), self.with_schedule(opt_d)]
+        return [self.with_schedule(opt_g, "model.g_optimizer"), self.with_schedule(opt_d, "model.d_optimizer")]
 
     def output_callbacks(self) -> list[L.Callback]:
         return [GeneratedSamplesPlot(self.n_plot_samples)] if self.n_plot_samples else []

@@ -163,3 +163,27 @@ def char_streams(train_file: Path, val_file: Path) -> tuple[str, ...]:
         "model.optimizer.lr=0.5",
         "model.sample_length=5",
     )
+
+
+def logged_rows(run: Path) -> list[dict[str, str]]:
+    """The rows of a run dir's newest ``metrics.csv`` (a run resumed in its own dir writes ``version_<n+1>``, which
+    starts with the rows of the run it continues)."""
+    import csv
+
+    files = sorted((run / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    with files[-1].open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def logged_rates(run: Path) -> dict[int, tuple[float, ...]]:
+    """Each optimizer step's learning rates (every ``lr*`` column), from the newest ``metrics.csv``.
+
+    One entry a step: under accumulation Lightning's LR monitor logs at each micro-batch of a step.
+    """
+    rows = logged_rows(run)
+    columns = sorted(c for c in rows[0] if c.startswith("lr"))
+    return {
+        int(row["step"]): tuple(float(row[c]) for c in columns if row[c])
+        for row in rows
+        if any(row[c] for c in columns)
+    }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 from multiloss import ConfigError, train
 from multiloss.schedules import _warmup_cosine
 from tests.conftest import load_weights
-from tests.helpers import straight_and_resumed
+from tests.helpers import logged_rates, straight_and_resumed
 
 LR = 0.1
 # multihead on digits with SGD: 6 batches an epoch, the rate logged at every optimizer step.
@@ -32,9 +31,8 @@ SMALL = (
 
 
 def _logged_rates(run: Path) -> list[float]:
-    """The ``lr-SGD`` column of the run's metrics.csv, one value per optimizer step."""
-    with next((run / "csv").rglob("metrics.csv")).open(newline="") as f:
-        return [float(row["lr-SGD"]) for row in csv.DictReader(f) if row.get("lr-SGD")]
+    """The ``lr-SGD`` column of the run's (newest) metrics.csv, one value per optimizer step."""
+    return [rate for (rate,) in logged_rates(run).values()]
 
 
 def _rate_in(checkpoint: Path) -> float:
@@ -140,3 +138,83 @@ def test_a_bad_schedule_option_is_named_before_training(make_cfg, tmp_path, over
         )
     assert err.value.key == key
     assert not (tmp_path / "checkpoints").exists()
+
+
+# --- one owner of the learning rate: base × the recipe's rule × the schedule's factor ------------------
+
+ACCUMULATION = (
+    "recipe=accumulation",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=128",  # × k=2 = 256 examples a step, against base_batch_size 64: linear rule × 4
+    "model.net.width=16",
+    "model.optimizer.lr=0.05",
+    "~callbacks.loss_curves",
+)
+
+
+def test_accumulations_first_step_under_warm_up_is_the_warm_ups(make_cfg, tmp_path):
+    # The rule's rate (0.05 × 4) is where the warm-up goes, not where it starts.
+    train(make_cfg(*ACCUMULATION, "scheduler=warmup_cosine", "model.scheduler.warmup_steps=4", "trainer.max_steps=12"))
+    rates = _logged_rates(tmp_path / "run")
+    expected = [0.2 * _warmup_cosine(s, warmup=4, total=12, floor=0.0) for s in range(12)]
+    assert rates == pytest.approx(expected, rel=1e-6) and rates[0] == pytest.approx(0.2 / 5)
+
+
+def test_a_plateaus_cuts_are_the_runs_state_and_a_resume_keeps_them_silently(make_cfg, tmp_path, caplog):
+    plateau = (*SMALL, "scheduler=plateau", "model.scheduler.monitor=val/loss/total", "model.scheduler.mode=max")
+    run = tmp_path / "run"
+    train(make_cfg(*plateau, "trainer.max_epochs=3", output_dir=run))
+    assert _rate_in(run / "checkpoints/last.ckpt") == pytest.approx(LR / 16)
+    with caplog.at_level("INFO", logger="multiloss"):
+        train(make_cfg(*plateau, "trainer.max_epochs=4", "ckpt_path=last", output_dir=run))
+    assert "resuming with" not in caplog.text
+    assert _logged_rates(run)[18:] == pytest.approx([LR / 16] * 6)  # epoch 4 trained at the cut rate
+
+
+def test_a_resume_with_another_batch_size_applies_the_rule_for_the_new_effective_batch_and_says_so(
+    make_cfg, tmp_path, caplog
+):
+    decay = ("scheduler=step", "model.scheduler.step_size=1", "model.scheduler.gamma=0.5")
+    run = tmp_path / "run"
+    train(make_cfg(*ACCUMULATION, *decay, "trainer.max_epochs=1", output_dir=run))
+    assert _rate_in(run / "checkpoints/last.ckpt") == pytest.approx(0.2 * 0.5)  # rule × 4, one decay
+    with caplog.at_level("INFO", logger="multiloss"):
+        train(
+            make_cfg(
+                *ACCUMULATION, *decay, "data.batch_size=64", "trainer.max_epochs=2", "ckpt_path=last", output_dir=run
+            )
+        )
+    # 64 × 2 = 128 examples a step: × 2, from the schedule's point (one decay): 0.05 × 2 × 0.5, then decayed again.
+    assert "the recipe's LR factor 2 (lr_scaling=linear, effective_batch_size=128" in caplog.text
+    assert "now trains at 0.05 × 2 × the schedule's 0.5 = 0.05" in caplog.text
+    assert _logged_rates(run)[-1] == pytest.approx(0.05)
+    assert _rate_in(run / "checkpoints/last.ckpt") == pytest.approx(0.025)
+
+
+def test_a_resume_with_another_schedule_is_refused_before_anything_is_written(make_cfg, tmp_path):
+    decay = ("scheduler=step", "model.scheduler.step_size=1", "model.scheduler.gamma=0.5")
+    run = tmp_path / "run"
+    train(make_cfg(*SMALL, *decay, "trainer.max_epochs=1", output_dir=run))
+    record = (run / ".hydra/config.yaml").read_text()
+    with pytest.raises(ConfigError, match="the checkpoint's run was trained under another schedule") as err:
+        train(make_cfg(*SMALL, "scheduler=constant", "trainer.max_epochs=2", "ckpt_path=last", output_dir=run))
+    assert err.value.key == "model.scheduler._target_"
+    assert "multiloss.schedules.StepDecay(step_size=1, gamma=0.5" in err.value.accepted
+    assert (run / ".hydra/config.yaml").read_text() == record
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
+
+
+def test_a_longer_run_resumed_under_warm_up_cosine_says_the_schedules_new_length(make_cfg, tmp_path, caplog):
+    cosine = (*SMALL, "scheduler=warmup_cosine", "model.scheduler.warmup_steps=2")
+    run = tmp_path / "run"
+    train(make_cfg(*cosine, "trainer.max_steps=8", output_dir=run))
+    with caplog.at_level("INFO", logger="multiloss"):
+        train(make_cfg(*cosine, "trainer.max_steps=16", "ckpt_path=last", output_dir=run))
+    assert "resuming with model.scheduler.total_steps=16 (the checkpoint's 8)" in caplog.text
+    state = torch.load(run / "checkpoints/last.ckpt", weights_only=True)["lr_schedulers"][0]
+    assert state["total_steps"] == 16  # the config's length, not the checkpoint's
+    assert _logged_rates(run)[8:] == pytest.approx([LR * _warmup_cosine(s, 2, 16, 0.0) for s in range(8, 16)])

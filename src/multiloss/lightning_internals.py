@@ -9,6 +9,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 
 class _ResumableFitLoop(_FitLoop):
@@ -34,10 +35,33 @@ def resume_epoch_ends_exactly(trainer: L.Trainer) -> None:
         trainer.fit_loop.__class__ = _ResumableFitLoop  # same state, one property changed: no copy of the loop
 
 
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after the training batch whose ``on_train_batch_end`` is running.
+
+    ``_TrainingEpochLoop._should_check_val_fx`` (``loops/training_epoch_loop.py``, 2.6), the test its
+    ``on_advance_end`` runs once the batch's hooks have returned.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
 def check_internals() -> list[str]:
     """The private Lightning names multiloss relies on that this Lightning no longer has (empty: all there)."""
     missing = []
     current = _FitLoop.__dict__.get("restarting")
     if not isinstance(current, property) or "_iteration_based_training" not in _FitLoop.__dict__:
         missing.append("lightning.pytorch.loops.fit_loop._FitLoop.restarting / _iteration_based_training")
+    epoch_loop = _TrainingEpochLoop
+    if not hasattr(epoch_loop, "_should_check_val_fx") or "_skip_next_val" not in _init_names(epoch_loop):
+        missing.append("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_check_val_fx")
+    if "_data_fetcher" not in _init_names(_FitLoop):
+        missing.append("lightning.pytorch.loops.fit_loop._FitLoop._data_fetcher")
     return missing
+
+
+def _init_names(cls: type) -> set[str]:
+    """The attribute names ``cls.__init__`` assigns (``self.<name> =``), read from its source."""
+    import inspect
+    import re
+
+    return set(re.findall(r"self\.(\w+)\s*[:=]", inspect.getsource(cls.__init__)))

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from multiloss import precision
 from multiloss.components import plain
 from multiloss.config import ConfigError, require
+from multiloss.learning_rate import RatePlan, apply_rule
 from multiloss.schedules import build_schedule
 
 _NOTHING = contextlib.nullcontext()  # reusable: the block of a micro-batch that steps
@@ -61,6 +62,7 @@ class ManualStep(L.LightningModule):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.scheduler_spec = plain(scheduler)
+        self.rate_plans: dict[str, RatePlan] = {}  # per optimizer config key, in configure_optimizers' order
 
     def check_trainer(self, trainer: L.Trainer) -> None:
         """Refuse the Trainer settings a recipe does itself, naming its own key (called before anything is written)."""
@@ -97,12 +99,22 @@ class ManualStep(L.LightningModule):
         """How many optimizer steps the run takes (a schedule's ``total_steps``): Lightning's estimate."""
         return int(self.trainer.estimated_stepping_batches)
 
-    def with_schedule(self, optimizer: Optimizer) -> Any:
-        """``optimizer`` with its ``model.scheduler`` schedule, as ``configure_optimizers`` returns them (the
-        optimizer alone outside a Trainer: a schedule is made for a run, whose length only the Trainer knows)."""
+    def lr_rule(self, optimizer: Optimizer) -> tuple[float, dict[str, Any]]:
+        """The recipe's factor on ``optimizer``'s configured rates, and what it was computed from (1: none)."""
+        return 1.0, {}
+
+    def with_schedule(self, optimizer: Optimizer, key: str = "model.optimizer") -> Any:
+        """``optimizer`` (config key ``key``) at the recipe's rate rule, with its ``model.scheduler`` schedule, as
+        ``configure_optimizers`` returns them; its `RatePlan` kept for checkpoints and resumes
+        (`multiloss.learning_rate`).
+
+        Outside a Trainer the optimizer alone, at its configured rates: a rule and a schedule are made for a run.
+        """
         if self._trainer is None:
             return optimizer
-        schedule = build_schedule(self.scheduler_spec, optimizer, self._trainer)
+        plan = apply_rule(optimizer, key, *self.lr_rule(optimizer))
+        schedule, plan.schedule = build_schedule(self.scheduler_spec, optimizer, self._trainer)
+        self.rate_plans[key] = plan
         return optimizer if schedule is None else {"optimizer": optimizer, "lr_scheduler": schedule}
 
     def steps_on(self, batch_idx: int) -> bool:

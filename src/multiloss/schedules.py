@@ -125,6 +125,16 @@ class Plateau(ReduceLROnPlateau):
         super().__init__(optimizer, mode=mode, factor=factor, patience=patience, threshold=threshold, min_lr=min_lr)
 
 
+def factor_at(scheduler: LRScheduler, steps: int, group: int, default: float) -> float:
+    """The factor ``scheduler`` gives param group ``group`` after ``steps`` of its steps; ``default`` where that is
+    not a function of the steps alone (a plateau's depends on the metrics it has seen)."""
+    if isinstance(scheduler, LambdaLR):
+        return float(scheduler.lr_lambdas[group](steps))
+    if isinstance(scheduler, StepLR):
+        return float(scheduler.gamma ** (steps // scheduler.step_size))
+    return default
+
+
 class StepOnValidation(LeanCallback):
     """Steps every ``interval = "validation"`` schedule on its monitored metric when a validation ends.
 
@@ -165,14 +175,25 @@ def _warmup_cosine(step: int, warmup: int, total: int, floor: float) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> dict[str, Any] | None:
-    """Lightning's ``lr_scheduler`` entry for ``optimizer`` from a ``_partial_`` schedule config; None for constant.
+def describe_schedule(spec: Any, resolved: dict[str, Any]) -> dict[str, Any]:
+    """A schedule config as built: its ``_target_``, its options and the run lengths it was given."""
+    if spec is None:
+        return {"_target_": CONSTANT}
+    if not isinstance(spec, dict):
+        return {"_target_": f"{getattr(spec, '__module__', '')}.{getattr(spec, '__qualname__', type(spec).__name__)}"}
+    options = {k: v for k, v in spec.items() if not k.startswith("_") and v is not None}
+    return {"_target_": spec.get("_target_"), **options, **resolved}
+
+
+def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Lightning's ``lr_scheduler`` entry for ``optimizer`` from a ``_partial_`` schedule config (None for constant),
+    and the schedule as built (`describe_schedule`: what a checkpoint keeps of it).
 
     Raises:
         ConfigError: the schedule's own checks, under ``model.scheduler`` (e.g. ``epochs`` < 1).
     """
     if spec is None or (isinstance(spec, dict) and spec.get("_target_") == CONSTANT):
-        return None
+        return None, describe_schedule(None, {})
     factory = build_callable(spec, "model.scheduler")
     target = spec.get("_target_") if isinstance(spec, dict) else None
     passed = {
@@ -192,7 +213,8 @@ def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> dict[
         f"it built a {type(scheduler).__name__}",
     )
     # Lightning keeps "step" or "epoch" (its LR monitor reads it); the recipe steps by the schedule's own.
-    return {"scheduler": scheduler, "interval": "step" if getattr(scheduler, "interval", "step") == "step" else "epoch"}
+    interval = "step" if getattr(scheduler, "interval", "step") == "step" else "epoch"
+    return {"scheduler": scheduler, "interval": interval}, describe_schedule(spec, passed)
 
 
 # What a recipe knows of its run and passes to a schedule that takes it (and whose config leaves it out or null).

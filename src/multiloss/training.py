@@ -33,7 +33,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # resume rule (the config's optimizer settings apply to a resumed run; another optimizer is refused).
     record = RunRecord(cfg)
     always = [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector(), Preemption()]
-    trainer = build_trainer(cfg, [*always, ResumeRule(cfg)])
+    trainer = build_trainer(cfg, [*always, ResumeRule()])
     # Settings only the recipe can judge against the built Trainer (trainer.accumulate_grad_batches
     # under manual optimization): rejected here, before any file is written.
     if isinstance(model, Recipe):

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
+from multiloss.lightning_internals import validation_follows
 
 
 class Checkpoint(ModelCheckpoint, LeanCallback):
@@ -28,7 +29,7 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
 
     Each save replaces the file atomically (`multiloss.checkpoints.AtomicCheckpointIO`).
 
-    Three holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
+    Four holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
 
     - A run stopped by ``max_steps`` *mid-epoch* is saved in ``on_train_end``, after the loop has
       marked the epoch finished: a resume starts a new epoch and skips the rest of this one. Here it
@@ -39,6 +40,10 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
       into the next epoch, and the data modules' sampler takes its epoch from the trainer
       (`multiloss.data.arrays`). (With ``limit_train_batches`` the loader is left mid-pass at an
       epoch's end and Lightning resumes it there: that case is still off.)
+    - A step saved at the end of a training batch that a validation follows (``val_check_interval``)
+      resumes after that validation without running it: a plateau schedule or early stopping that
+      acts on it acts one validation later. Here such a step (stopped by ``max_steps``, a signal or
+      ``last_every_minutes``) is saved when its validation ends.
     - Training that ends after a periodic checkpoint (``max_epochs``, early stopping) keeps that one
       as ``last.ckpt`` (step 20 of 23 with ``every_n_train_steps=10``). Here the final step is saved.
     """
@@ -55,6 +60,7 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
         self.save_last_every_epoch = save_last_every_epoch
         self.last_every_minutes = last_every_minutes
         self._saved_at = time.monotonic()
+        self._batch_end_after_validation: int | None = None  # a training batch whose end waits for its validation
 
     def interval_due(self) -> bool:
         """``last_every_minutes`` have passed since the last save (or the start), on this process's clock."""
@@ -74,6 +80,20 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if batch_idx + 1 < trainer.num_training_batches and validation_follows(trainer):
+            # A save here would precede this batch's validation, which a resume skips (Lightning counts it
+            # done): a schedule stepped on it, or an early stop, would differ. The validation's end decides.
+            self._batch_end_after_validation = batch_idx
+            return
+        self._batch_end(trainer, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        batch_idx, self._batch_end_after_validation = self._batch_end_after_validation, None
+        if batch_idx is not None and not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._batch_end(trainer, batch_idx)
+
+    def _batch_end(self, trainer: L.Trainer, batch_idx: int) -> None:
         epoch_ends = batch_idx + 1 >= trainer.num_training_batches
         if self.save_last and self._final_step(trainer) and not epoch_ends:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
