@@ -314,9 +314,10 @@ class TruncatedBPTT(Recipe):
     def total_optimizer_steps(self) -> int:
         """The run's optimizer steps: Lightning's batch count times this recipe's steps per batch (chunks / k)."""
         trainer = self.trainer
+        lightning_estimate = super().total_optimizer_steps()  # sets the training data up: its batch count is known
         seq_len = getattr(trainer.datamodule, "seq_len", None)
         if not isinstance(seq_len, int) or trainer.max_epochs in (None, -1):
-            return super().total_optimizer_steps()
+            return lightning_estimate
         per_batch = math.ceil(math.ceil(seq_len / self.chunk_length) / self.accumulate_grad_batches)
         steps = int(trainer.num_training_batches) * max(trainer.max_epochs, 1) * per_batch
         return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps

@@ -218,3 +218,33 @@ def test_a_longer_run_resumed_under_warm_up_cosine_says_the_schedules_new_length
     state = torch.load(run / "checkpoints/last.ckpt", weights_only=True)["lr_schedulers"][0]
     assert state["total_steps"] == 16  # the config's length, not the checkpoint's
     assert _logged_rates(run)[8:] == pytest.approx([LR * _warmup_cosine(s, 2, 16, 0.0) for s in range(8, 16)])
+
+
+def test_tbptt_fits_warm_up_cosine_to_its_run_once_the_data_is_known(make_cfg, tmp_path):
+    # tbptt's steps a run are its batches × chunks: the batch count is known only once the data is set up.
+    train(
+        make_cfg(
+            "recipe=tbptt",
+            *SMALL[2:6],
+            "model.net.hidden_size=16",
+            "model.sample_length=5",
+            "scheduler=warmup_cosine",
+            "model.scheduler.warmup_steps=2",
+            "trainer.max_epochs=1",
+            output_dir=tmp_path,
+        )
+    )
+    checkpoint = torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True)
+    assert checkpoint["lr_schedulers"][0]["total_steps"] == checkpoint["global_step"] == 6 * 4  # 4 chunks a window
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "tbptt", "accumulation"])
+def test_a_schedule_fitted_to_an_endless_run_is_refused_before_anything_is_written(make_cfg, tmp_path, recipe):
+    schedule = "scheduler=linear_decay" if recipe == "gan" else "scheduler=warmup_cosine"
+    key = "model.scheduler.epochs" if recipe == "gan" else "model.scheduler.total_steps"
+    with pytest.raises(ConfigError, match="the run has no last") as err:
+        train(
+            make_cfg(f"recipe={recipe}", schedule, "trainer.max_epochs=-1", "trainer.max_steps=-1", output_dir=tmp_path)
+        )
+    assert err.value.key == key
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -82,11 +82,36 @@ def check_config(cfg: DictConfig) -> None:
         "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
     )
     _check_accelerator(cfg.trainer.get("accelerator"))
+    _check_schedule_lengths(cfg)
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:
         require(
             Path(ckpt).is_file(), "ckpt_path", ckpt, "the path of an existing checkpoint file (.ckpt)", "no such file"
         )
+
+
+def _check_schedule_lengths(cfg: DictConfig) -> None:
+    """A schedule fitted to the run's length (``epochs``, ``total_steps`` left null) needs a run that has one."""
+    spec = cfg.model.get("scheduler") if isinstance(cfg.get("model"), DictConfig) else None
+    if not isinstance(spec, DictConfig) or not isinstance(spec.get("_target_"), str):
+        return
+    max_steps, max_epochs = cfg.trainer.get("max_steps", -1), cfg.trainer.get("max_epochs")
+    # Lightning's own default: max_epochs=None means 1000 epochs, or none at all once max_steps is set.
+    epochs = (max_epochs is not None and max_epochs >= 0) or (max_epochs is None and max_steps in (-1, None))
+    known = {"epochs": epochs, "total_steps": epochs or max_steps not in (-1, None)}
+    from multiloss.components import accepts
+
+    for name, bounded in known.items():
+        if not bounded and spec.get(name) is None and accepts(spec._target_, name):
+            what = "epochs" if name == "epochs" else "optimizer steps"
+            bound = "trainer.max_epochs=<n>" if name == "epochs" else "trainer.max_steps=<n> or trainer.max_epochs=<n>"
+            raise ConfigError(
+                f"model.scheduler.{name}",
+                None,
+                f"the schedule's length in {what} (model.scheduler.{name}=<n>), or a run that has one ({bound})",
+                f"trainer.max_epochs={max_epochs}, trainer.max_steps={max_steps}: the run has no last "
+                f"{'epoch' if name == 'epochs' else 'step'} to fit {spec._target_.rsplit('.', 1)[-1]} to",
+            )
 
 
 def _check_accelerator(name: Any) -> None:
