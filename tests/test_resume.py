@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from multiloss import train
+from multiloss.config import ConfigError
 from multiloss.history import read_rows
 from tests.conftest import load_weights
 from tests.helpers import straight_and_resumed
@@ -92,3 +93,22 @@ def test_a_resume_with_another_optimizer_is_refused_before_anything_is_written(m
         train(make_cfg(*SMALL, "optimizer=sgd", "trainer.max_steps=6", "ckpt_path=last", output_dir=first))
     assert (first / ".hydra/config.yaml").read_text() == record
     assert torch.load(first / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_mid_epoch_resume_with_another_batch_size_is_refused_before_anything_is_written(make_cfg, tmp_path):
+    # 64 → 128 at batch 10 resumed at example 1280: 640 examples of that epoch never seen.
+    run = tmp_path / "run"
+    train(make_cfg(*SMALL, "data.batch_size=64", "trainer.max_steps=10", output_dir=run))
+    record = (run / ".hydra/config.yaml").read_text()
+    with pytest.raises(ConfigError, match="saved mid-epoch, its place in the epoch counted in batches of 64") as err:
+        train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_steps=20", "ckpt_path=last", output_dir=run))
+    assert (err.value.key, err.value.value) == ("data.batch_size", 128)
+    assert (run / ".hydra/config.yaml").read_text() == record
+
+
+def test_an_epoch_end_resume_may_change_the_batch_size(make_cfg, tmp_path):
+    run = tmp_path / "run"
+    train(make_cfg(*SMALL, "data.batch_size=64", "trainer.max_epochs=1", output_dir=run))
+    train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_epochs=2", "ckpt_path=last", output_dir=run))
+    # 23 steps of 64 (1438 examples), then 12 of 128: every example once an epoch.
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 23 + 12

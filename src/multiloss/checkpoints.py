@@ -89,8 +89,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def verify_checkpoint(path: str | Path, module: nn.Module) -> None:
-    """Raise `ConfigError` (key ``ckpt_path``) unless ``path`` is an intact checkpoint of ``module``'s shape."""
+def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
+    """Raise `ConfigError` (key ``ckpt_path``) unless ``path`` is an intact checkpoint of ``module``'s shape; its
+    contents (tensors on the CPU)."""
     path = str(path)
     try:
         with zipfile.ZipFile(path) as archive:
@@ -138,3 +139,33 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> None:
             f"a checkpoint of this run's model ({type(module).__name__} with these components and sizes)",
             "it belongs to another model: " + "; ".join(parts),
         )
+    return checkpoint
+
+
+def mid_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint`` was saved inside a training epoch (a resume continues that epoch's batches)."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    return progress.get("started", 0) > progress.get("processed", 0)
+
+
+def verify_position(checkpoint: dict[str, Any], batches: dict[str, Any], batch_size: Any, world_size: int) -> None:
+    """Raise `ConfigError` if a mid-epoch ``checkpoint`` would resume with another batch size or number of ranks.
+
+    Its place in the epoch is a count of batches of its size on its ranks: another size or world would
+    start the rest of the epoch elsewhere (examples skipped or seen twice) and tbptt's carried state
+    would have the wrong number of streams. At an epoch's end either may change.
+    """
+    if not batches or not mid_epoch(checkpoint):
+        return
+    saved_size, saved_world = batches.get("batch_size"), batches.get("world_size")
+    for key, now, then in (("data.batch_size", batch_size, saved_size), ("trainer.devices", world_size, saved_world)):
+        if then is not None and now is not None and now != then:
+            what = "per-rank batch size" if key == "data.batch_size" else "number of ranks (devices × nodes)"
+            raise ConfigError(
+                key,
+                now,
+                f"the checkpoint's {what}, {then}, until its epoch ends; or resume from a checkpoint taken at "
+                "an epoch's end (last.ckpt after max_epochs, or the epoch-end save) to change it",
+                f"the checkpoint was saved mid-epoch, its place in the epoch counted in batches of {saved_size} "
+                f"on {saved_world} rank(s)",
+            )

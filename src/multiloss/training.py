@@ -8,8 +8,8 @@ from omegaconf import DictConfig
 from multiloss.builders import build_data_and_model, build_trainer, lightning_said
 from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, Preemption, RngState
 from multiloss.callbacks.resume import ResumeRule
-from multiloss.callbacks.run_record import RunRecord
-from multiloss.checkpoints import verify_checkpoint
+from multiloss.callbacks.run_record import BATCHES_KEY, RunRecord
+from multiloss.checkpoints import verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
 from multiloss.module import Recipe
 from multiloss.pitfalls import explain
@@ -39,7 +39,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if isinstance(model, Recipe):
         model.check_trainer(trainer)
     if cfg.get("ckpt_path"):
-        verify_checkpoint(cfg.ckpt_path, model)
+        checkpoint = verify_checkpoint(cfg.ckpt_path, model)
+        verify_position(
+            checkpoint, checkpoint.get(BATCHES_KEY), getattr(datamodule, "batch_size", None), trainer.world_size
+        )
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)

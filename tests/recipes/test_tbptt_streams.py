@@ -157,3 +157,14 @@ def test_a_time_major_net_fed_batch_first_tokens_is_refused(make_cfg, tmp_path, 
         train(cfg)
     assert err.value.key == "model.net" and "batch_first=True" in err.value.message
     assert not (tmp_path / "run" / ".hydra").exists()
+
+
+def test_a_mid_epoch_resume_with_another_number_of_streams_is_refused(make_cfg, corpus, tmp_path):
+    # The carried state has one row a stream: 4 → 2 streams mid-epoch was a traceback (hidden size mismatch).
+    run = tmp_path / "run"
+    train(make_cfg(*_streams(corpus), "trainer.max_steps=6", output_dir=run))
+    with pytest.raises(ConfigError, match="saved mid-epoch") as err:
+        train(
+            make_cfg(*_streams(corpus), "data.batch_size=2", "trainer.max_steps=12", "ckpt_path=last", output_dir=run)
+        )
+    assert err.value.key == "data.batch_size"

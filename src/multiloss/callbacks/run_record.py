@@ -29,6 +29,8 @@ log = logging.getLogger("multiloss")
 OVERRIDES_KEY = "multiloss_overrides"
 CONFIG_DIRS_KEY = "multiloss_config_dirs"
 SPLIT_KEY = "multiloss_data_split"
+# The per-rank batch size and the ranks a checkpoint's position in its epoch is counted in.
+BATCHES_KEY = "multiloss_batches"
 SPLIT_KEYS = ("val_fraction", "test_fraction", "split_seed")
 
 
@@ -83,6 +85,10 @@ class RunRecord(LeanCallback):
         checkpoint[HISTORY_KEY] = history_entry(trainer, last_step)
         checkpoint[CONFIG_DIRS_KEY] = self.config_dirs
         checkpoint[SPLIT_KEY] = {k: self.cfg.data[k] for k in SPLIT_KEYS if k in self.cfg.data}
+        checkpoint[BATCHES_KEY] = {
+            "batch_size": getattr(trainer.datamodule, "batch_size", None),
+            "world_size": trainer.world_size,
+        }
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self.resumed_history = checkpoint.get(HISTORY_KEY)
