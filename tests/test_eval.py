@@ -101,3 +101,35 @@ def test_eval_into_a_training_runs_dir_is_refused_and_writes_nothing(tmp_path: P
     with pytest.raises(ConfigError, match=r"hydra\.run\.dir=.*another run's records"):
         evaluate(_eval_config(f"ckpt_path={ckpt}", output_dir=tmp_path / "train"))
     assert {p: p.read_bytes() for p in (tmp_path / "train" / ".hydra").iterdir()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_eval_on_two_ranks_gives_the_one_rank_metrics(tmp_path: Path) -> None:
+    # Rank 1 used to refuse the eval dir rank 0 had just made (its .hydra/): the job was killed.
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    ckpt, _ = _train("multihead", tmp_path / "train")
+    one = evaluate(_eval_config(f"ckpt_path={ckpt}", output_dir=tmp_path / "one"))
+    two = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "eval.py"),
+            f"ckpt_path={ckpt}",
+            "trainer=ddp_cpu",
+            f"hydra.run.dir={tmp_path / 'two'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    from tests.helpers import logged_rows
+
+    (row,) = [r for r in logged_rows(tmp_path / "two") if r.get("val/loss/total")]
+    assert float(row["val/loss/total"]) == pytest.approx(one["val/loss/total"], rel=1e-5)
+    assert float(row["val/acc"]) == pytest.approx(one["val/acc"], rel=1e-6)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer
@@ -92,7 +93,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
     check_config(cfg)
     require(bool(cfg.get("ckpt_path")), "ckpt_path", cfg.get("ckpt_path"), "the checkpoint to evaluate (a .ckpt file)")
-    refuse_a_runs_dir(cfg.paths.output_dir)
+    if rank_zero_only.rank == 0:  # ranks started for this evaluation find the dir rank zero made
+        refuse_a_runs_dir(cfg.paths.output_dir)
     datamodule, model = build_data_and_model(cfg)
     # Not the callbacks only training uses (a checkpoint callback would reload its state and warn
     # about the training run's dir).
