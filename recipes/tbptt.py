@@ -457,15 +457,20 @@ class TruncatedBPTT(Recipe):
                     f"multiloss: the checkpoint carries the state of {saved_world} ranks' streams and this run reads "
                     f"{world} ranks' (other streams): the state starts empty at the next batch"
                 )
+        self.check_checkpoint(checkpoint, "the checkpoint")
+
+    def check_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
         if "vocab" not in checkpoint:
             return
         saved = Vocabulary(checkpoint["vocab"])
         if saved != self.vocab:
             raise ConfigError(
                 "ckpt_path",
-                f"<checkpoint trained with {saved}>",
-                f"a checkpoint trained with this run's vocabulary ({self.vocab}; data.path, data.level)",
-                "its vocabulary differs: its token ids mean other tokens",
+                path,
+                "a checkpoint trained on this run's vocabulary (it comes from data.path, data.level, an npz's "
+                "vocab_size): the data the checkpoint was trained on",
+                f"its token ids mean other tokens (the checkpoint's vocabulary vs this data's: "
+                f"{saved.difference(self.vocab)})",
             )
 
     def on_train_start(self) -> None:

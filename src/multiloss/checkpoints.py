@@ -139,6 +139,8 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
             f"a checkpoint of this run's model ({type(module).__name__} with these components and sizes)",
             "it belongs to another model: " + "; ".join(parts),
         )
+    if isinstance(module, Recipe):
+        module.check_checkpoint(checkpoint, path)
     return checkpoint
 
 

@@ -58,6 +58,10 @@ class Recipe(ManualStep):
         """The callbacks that write this recipe's own outputs into the run dir (plots, samples)."""
         return []
 
+    def check_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Raise `ConfigError` (key ``ckpt_path``) if ``checkpoint`` cannot serve this recipe beyond its weights' shapes
+        (tbptt: trained on another vocabulary). Runs before anything is written."""
+
     # ---------------------------------------------------------------------------------------------------
 
     def __init__(

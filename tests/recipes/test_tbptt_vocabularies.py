@@ -140,3 +140,21 @@ def test_eval_scores_the_test_streams_too(make_cfg, tmp_path, word_files):
     assert (
         metrics["test/ppl"] == pytest.approx(math.exp(metrics["test/loss/ce"]), rel=1e-5) and "test/bpc" not in metrics
     )
+
+
+def test_eval_on_text_of_another_vocabulary_is_refused_naming_the_file_and_both_vocabularies(
+    make_cfg, tmp_path, word_files
+):
+    from multiloss.evaluation import evaluate, with_training_overrides
+    from multiloss.testing import compose
+
+    run, other = tmp_path / "run", tmp_path / "other.txt"
+    train(make_cfg(*COMMON, *word_files, "trainer.max_steps=2", output_dir=run))
+    other.write_text(WORDS.replace("cat", "cow") * 6)  # as many words, one of them another
+    ckpt = run / "checkpoints/last.ckpt"
+    args = with_training_overrides([f"ckpt_path={ckpt}", f"data.path={other}", "data.test_path=null"])
+    with pytest.raises(ConfigError) as err:
+        evaluate(compose(*args, "print_config=false", config_name="eval", output_dir=tmp_path / "eval"))
+    assert (err.value.key, err.value.value) == ("ckpt_path", str(ckpt))
+    assert "words, 11 ids each, 1 of them other tokens (id 1: 'cat' vs 'cow')" in err.value.problem
+    assert not (tmp_path / "eval").exists()  # nothing written: no .hydra/ copies of a refused run

@@ -82,6 +82,18 @@ class Vocabulary:
     def __repr__(self) -> str:
         return f"Vocabulary({self.kind}, {len(self)} ids)"
 
+    def difference(self, other: Vocabulary) -> str:
+        """How ``other`` differs from this vocabulary, for a message naming both (empty when they are equal)."""
+        if self == other:
+            return ""
+        if (self.kind, len(self)) != (other.kind, len(other)):
+            return f"{self.kind}, {len(self)} ids vs {other.kind}, {len(other)} ids"
+        if self.kind in ("bytes", "ids"):
+            return ""
+        pairs = [(i, a, b) for i, (a, b) in enumerate(zip(self.spec, other.spec)) if a != b]  # type: ignore[arg-type]
+        i, a, b = pairs[0]
+        return f"{self.kind}, {len(self)} ids each, {len(pairs)} of them other tokens (id {i}: {a!r} vs {b!r})"
+
     @property
     def separator(self) -> str:
         """What joins decoded tokens: nothing for bytes and characters, a space for words and ids."""
