@@ -478,3 +478,13 @@ def test_tbptt_streams_on_two_ranks_equal_the_loop_over_all_their_streams(tmp_pa
         module.net, datamodule.train_ids[: len(datamodule.train_ids) // 2], 2, 12, 4, lr=0.5, steps=15
     )
     assert (sum(g["net.head.bias"] for g in alone) - sum(g["net.head.bias"] for g in grads)).abs().max() > 1e-3
+
+
+def test_a_config_error_every_rank_meets_is_printed_once(tmp_path):
+    # The component check fails on both ranks at setup: one message, exit 2, no run dir left.
+    out = tmp_path / "run"
+    proc = run_cli(*QUIET_RUN, *DDP, "recipe=gan", "model.data_dim=3", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("multiloss: config error")]
+    assert len(errors) == 1 and "model.generator" in errors[0], proc.stderr[-3000:]
+    assert not out.exists()

@@ -127,7 +127,8 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         if not os.environ.get("SUBMITIT_EXECUTOR"):  # a job's log handlers still write into its dir
             _remove_if_empty(cfg)
-        _fail("config error", err.message, 2)
+        # Another rank of this job prints it (multiloss.distributed.ReportOnce).
+        _fail("config error", err.message, 2, quiet=getattr(err, "reported_elsewhere", False))
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
     except RunPreempted as err:
@@ -148,8 +149,9 @@ class JobFailed(Exception):
     leave the submitter polling for a result that never comes."""
 
 
-def _fail(kind: str, message: str, exit_code: int) -> None:
-    _print_error(kind, message)
+def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
+    if not quiet:
+        _print_error(kind, message)
     if os.environ.get("SUBMITIT_EXECUTOR"):
         raise JobFailed(f"multiloss: {kind}: {message}") from None
     raise SystemExit(exit_code) from None

@@ -1,10 +1,12 @@
-"""Every use of a Lightning name that is not public API, in one place, each with the version it was read from.
+"""Every use of a Lightning (or torch) name that is not public API, in one place, with the version it was read from.
 
-Read from Lightning 2.6 (``lightning/pytorch/...``). A Lightning upgrade that moves one of these fails
-`check_internals` (run by the test suite) with the name, instead of a recipe failing mid-run.
+Read from Lightning 2.6 (``lightning/pytorch/...``) and torch 2.13. An upgrade that moves one of these
+fails `check_internals` (run by the test suite) with the name, instead of a recipe failing mid-run.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.loops.fit_loop import _FitLoop
@@ -45,6 +47,16 @@ def validation_follows(trainer: L.Trainer) -> bool:
     return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
+def process_group_store() -> Any:
+    """The key-value store of the default process group (None without one): ``distributed_c10d._get_default_store``
+    (torch 2.13), the store every rank of the job reaches without a collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
 def check_internals() -> list[str]:
     """The private Lightning names multiloss relies on that this Lightning no longer has (empty: all there)."""
     missing = []
@@ -54,6 +66,10 @@ def check_internals() -> list[str]:
     epoch_loop = _TrainingEpochLoop
     if not hasattr(epoch_loop, "_should_check_val_fx") or "_skip_next_val" not in _init_names(epoch_loop):
         missing.append("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_check_val_fx")
+    import torch.distributed as dist
+
+    if dist.is_available() and not hasattr(dist.distributed_c10d, "_get_default_store"):
+        missing.append("torch.distributed.distributed_c10d._get_default_store")
     if "_data_fetcher" not in _init_names(_FitLoop):
         missing.append("lightning.pytorch.loops.fit_loop._FitLoop._data_fetcher")
     return missing

@@ -11,6 +11,7 @@ from multiloss.callbacks.resume import ResumeRule
 from multiloss.callbacks.run_record import BATCHES_KEY, RunRecord
 from multiloss.checkpoints import verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
+from multiloss.distributed import ReportOnce
 from multiloss.module import Recipe
 from multiloss.pitfalls import explain
 from multiloss.run_dir import resume_from
@@ -33,6 +34,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # resume rule (the config's optimizer settings apply to a resumed run; another optimizer is refused).
     record = RunRecord(cfg)
     always = [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector(), Preemption()]
+    always.append(ReportOnce())  # an error every rank meets is printed once
     trainer = build_trainer(cfg, [*always, ResumeRule()])
     # Settings only the recipe can judge against the built Trainer (trainer.accumulate_grad_batches
     # under manual optimization): rejected here, before any file is written.
