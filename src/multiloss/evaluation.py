@@ -90,6 +90,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from multiloss.checkpoints import verify_checkpoint
     from multiloss.console import save_run_config
     from multiloss.run_dir import refuse_a_runs_dir
+    from multiloss.run_log import open_run_log
 
     check_config(cfg)
     require(bool(cfg.get("ckpt_path")), "ckpt_path", cfg.get("ckpt_path"), "the checkpoint to evaluate (a .ckpt file)")
@@ -103,6 +104,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     _check_split(cfg)
     if trainer.is_global_zero:
         save_run_config(cfg, cfg.paths.output_dir)
+    open_run_log()
     log.info("evaluating %s from %s into %s", type(model).__name__, cfg.ckpt_path, cfg.paths.output_dir)
     stages = [trainer.validate] + ([trainer.test] if _has_test_set(datamodule) else [])
     metrics: dict[str, float] = {}

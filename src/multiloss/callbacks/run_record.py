@@ -21,6 +21,7 @@ from multiloss.history import HISTORY_KEY, continue_history, history_entry
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
 from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
+from multiloss.run_log import open_run_log
 
 log = logging.getLogger("multiloss")
 
@@ -62,9 +63,10 @@ class RunRecord(LeanCallback):
             check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
             self.lock = acquire_lock(out)
         save_run_config(self.cfg, self.cfg.paths.output_dir)
+        open_run_log()
         continue_history(trainer, self.resumed_history)  # a resumed run's metrics.csv starts with the earlier rows
-        # Through Python's logging: under Hydra, also the first line of this rank's <run dir>/train.log
-        # (opened only now, so a run rejected earlier leaves no log behind).
+        # Through Python's logging: under Hydra, also in this rank's <run dir>/train.log (written only from
+        # now on, so a run rejected earlier leaves no log behind: multiloss.run_log).
         log.info(
             "training %s on rank %d of %d into %s",
             type(pl_module).__name__,
