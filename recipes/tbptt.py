@@ -220,6 +220,16 @@ class TruncatedBPTT(Recipe):
 
     def check_components(self, batch: dict[str, Any]) -> None:
         require_keys(batch, ("x", "y"), "token ids and the next tokens")
+        for key in ("x", "y"):
+            dtype = batch[key].dtype
+            require(
+                not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool),
+                "data",
+                f"<{key} of dtype {str(dtype).removeprefix('torch.')}>",
+                "token ids in integer arrays (e.g. np.int64) for x and y, as data=text makes them; features "
+                "of floats are data for the other recipes",
+                f"{key} is {str(dtype).removeprefix('torch.')}: token ids must be integers",
+            )
         self.check_token_ids()
         net, given = self.component_name("net"), describe_batch(batch)
         x = batch["x"][:, : min(4, batch["x"].shape[1])]

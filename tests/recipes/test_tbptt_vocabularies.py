@@ -158,3 +158,19 @@ def test_eval_on_text_of_another_vocabulary_is_refused_naming_the_file_and_both_
     assert (err.value.key, err.value.value) == ("ckpt_path", str(ckpt))
     assert "words, 11 ids each, 1 of them other tokens (id 1: 'cat' vs 'cow')" in err.value.problem
     assert not (tmp_path / "eval").exists()  # nothing written: no .hydra/ copies of a refused run
+
+
+@pytest.mark.parametrize("layout", ["sequences", "streams"])
+def test_float_data_is_refused_naming_its_dtype(make_cfg, tmp_path, layout):
+    # Was: "the data's largest token id is 9" (a float's integer part), as if the ids were fine.
+    rng = np.random.default_rng(0)
+    if layout == "sequences":
+        np.savez(tmp_path / "f.npz", x=rng.random((40, 10), dtype=np.float32) * 9, y=rng.integers(0, 9, (40, 10)))
+    else:
+        np.savez(tmp_path / "f.npz", x=rng.random(400).astype(np.float32) * 9)
+    data = ("data=npz", f"data.path={tmp_path / 'f.npz'}", f"data.layout={layout}")
+    data += ("data.seq_len=null",) if layout == "sequences" else ()
+    with pytest.raises(ConfigError, match="x is float32: token ids must be integers|x: float32 \\(400,\\)") as err:
+        train(make_cfg(*COMMON, *data, output_dir=tmp_path / "run"))
+    assert err.value.key == ("data" if layout == "sequences" else "data.path")
+    assert not (tmp_path / "run" / "checkpoints").exists()

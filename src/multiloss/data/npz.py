@@ -213,7 +213,9 @@ class NpzDataModule(ArrayDataModule):
             key,
             path,
             "with layout=streams, a file holding the corpus as one 1-D integer array of token ids (x, or its only one)",
-            f"its 1-D integer arrays: {ids or 'none'}",
+            f"its 1-D integer arrays: {ids or 'none'} (it holds "
+            + ", ".join(f"{k}: {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" for k, t in arrays.items())
+            + ")",
         )
         return arrays[name]
 
