@@ -170,7 +170,7 @@ def test_float_data_is_refused_naming_its_dtype(make_cfg, tmp_path, layout):
         np.savez(tmp_path / "f.npz", x=rng.random(400).astype(np.float32) * 9)
     data = ("data=npz", f"data.path={tmp_path / 'f.npz'}", f"data.layout={layout}")
     data += ("data.seq_len=null",) if layout == "sequences" else ()
-    with pytest.raises(ConfigError, match="x is float32: token ids must be integers|x: float32 \\(400,\\)") as err:
+    with pytest.raises(ConfigError, match=r"x is float32: token ids must be integers|x: float32 \(400,\)") as err:
         train(make_cfg(*COMMON, *data, output_dir=tmp_path / "run"))
     assert err.value.key == ("data" if layout == "sequences" else "data.path")
     assert not (tmp_path / "run" / "checkpoints").exists()
