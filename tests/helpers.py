@@ -118,12 +118,12 @@ def padded_tbptt(path: Path, vocab: int = 11) -> tuple[str, ...]:
 class SignalAt(L.Callback):
     """Sends ``signum`` (SIGTERM) to this very process, as a scheduler would, as the batch of ``step`` starts.
 
-    On ``rank`` only (every rank when None); once per process. The signal is real: the run's own
+    On ``rank`` only (every rank when None); once per process (``times`` signals in a row). The signal is real: the run's own
     handler receives it between two bytecodes, wherever the step is.
     """
 
-    def __init__(self, step: int = 5, rank: int | None = None, signum: int = 15) -> None:
-        self.step, self.rank, self.signum, self.sent = step, rank, signum, False
+    def __init__(self, step: int = 5, rank: int | None = None, signum: int = 15, times: int = 1) -> None:
+        self.step, self.rank, self.signum, self.times, self.sent = step, rank, signum, times, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.sent or trainer.global_step < self.step or self.rank not in (None, trainer.global_rank):
@@ -131,7 +131,8 @@ class SignalAt(L.Callback):
         import os
 
         self.sent = True
-        os.kill(os.getpid(), self.signum)
+        for _ in range(self.times):  # twice: a person pressing Ctrl-C again
+            os.kill(os.getpid(), self.signum)
 
 
 class DieOnce(L.Callback):

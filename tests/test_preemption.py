@@ -92,6 +92,26 @@ def test_sigterm_on_an_epochs_last_batch_resumes_into_the_next_epoch_whatever_bo
     _same(done["state_dict"], expected["state_dict"])
 
 
+def test_ctrl_c_saves_the_step_it_reached_like_sigterm(make_cfg, tmp_path):
+    common, end = RECIPES["multihead"], "trainer.max_steps=9"
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, end, output_dir=straight))
+    with pytest.raises(RunPreempted) as stopped:
+        train(make_cfg(*common, end, *_signal_at(step=4), "+callbacks.signal.signum=2", output_dir=run))
+    assert stopped.value.signum == signal.SIGINT and stopped.value.exit_code == 130
+    assert _global_step(run) == 5
+    train(make_cfg(*common, end, "ckpt_path=last", output_dir=run))
+    _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
+
+
+def test_a_second_ctrl_c_stops_at_once(make_cfg, tmp_path):
+    twice = (*_signal_at(step=4), "+callbacks.signal.signum=2", "+callbacks.signal.times=2")
+    with pytest.raises(SystemExit) as stopped:  # Lightning's shutdown on KeyboardInterrupt
+        train(make_cfg(*RECIPES["multihead"], "trainer.max_steps=9", *twice, output_dir=tmp_path))
+    assert stopped.value.code == 1
+    assert not (tmp_path / "checkpoints/last.ckpt").exists()  # not saved: the first epoch had not ended
+
+
 def test_the_handlers_before_the_run_are_back_after_it(make_cfg, tmp_path):
     def mine(signum, frame):
         raise AssertionError("not during the run")
@@ -242,3 +262,18 @@ def test_a_run_in_a_worker_thread_trains_and_leaves_signals_alone(make_cfg, tmp_
     worker.join()
     assert not errors and _global_step(tmp_path) == 2
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_ctrl_c_from_the_command_line_exits_130_with_the_line_that_continues(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(
+        *RECIPES["multihead"],
+        "trainer.max_steps=9",
+        "print_config=false",
+        *_signal_at(step=4),
+        "+callbacks.signal.signum=2",
+        f"hydra.run.dir={run}",
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    (message,) = [line for line in proc.stderr.splitlines() if line.startswith("multiloss:")]
+    assert "SIGINT at global step 5" in message and f"continue with: ckpt_path={run}/checkpoints/last.ckpt" in message

@@ -7,7 +7,9 @@ one step short (479 of 480, weights off by 0.1), and from a file the run-dir rul
 Under DDP its handler calls ``dist.broadcast`` from inside the signal handler, on every rank SLURM
 signalled, in the middle of whatever collective that rank was in.
 
-`Preemption` replaces both handlers while the run trains. A handler only notes the signal. At the
+`Preemption` replaces both handlers while the run trains, and Python's Ctrl-C (SIGINT: stock Lightning
+exits 1 keeping only the last epoch-end save) with the same. A handler only notes the signal (a
+second Ctrl-C stops at once, unsaved, as Python's own would). At the
 end of a batch that took an optimizer step (never between the micro-batches of one step) the ranks
 agree — one ``all_reduce(MAX)`` of two flags under DDP, nothing at all in one process — on "a signal
 came" and on "the checkpoint's time interval is due" (`multiloss.callbacks.Checkpoint`'s
@@ -38,7 +40,9 @@ from multiloss.lean_callback import LeanCallback
 
 log = logging.getLogger("multiloss")
 
-STOP_SIGNALS = (signal.SIGTERM,)
+# SIGINT (Ctrl-C) too: a run a person stops is saved at the step reached, like one a scheduler stops; a second
+# Ctrl-C does not wait for the step's end (Python's KeyboardInterrupt, Lightning's shutdown, exit 1).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # under SLURM only: Lightning's / sbatch --signal, submitit's
 
 
@@ -61,7 +65,8 @@ def under_slurm() -> bool:
 
 
 class Preemption(LeanCallback):
-    """Saves ``last.ckpt`` at a step boundary on SIGTERM (and SLURM's requeue signals) or when its interval is due.
+    """Saves ``last.ckpt`` at a step boundary on SIGTERM or Ctrl-C (and SLURM's requeue signals), or when its interval is
+    due.
 
     The decision is taken by the `Checkpoint` that saves, at the end of its own hooks: Lightning runs
     checkpoint callbacks after every other (the recipe's log rows included), so what is saved is
@@ -100,6 +105,8 @@ class Preemption(LeanCallback):
         # A signal handler runs between two bytecodes of the main thread, possibly inside a log call
         # or a collective's Python wrapper: it only notes, the loop acts at a step boundary.
         first = self.signalled is None
+        if not first and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C again: stop now, without the save
         self.signalled = signum if first else self.signalled
         launcher = self._trainer.strategy.launcher if self._trainer is not None else None
         if first and launcher is not None and getattr(launcher, "procs", None):
