@@ -118,8 +118,8 @@ def padded_tbptt(path: Path, vocab: int = 11) -> tuple[str, ...]:
 class SignalAt(L.Callback):
     """Sends ``signum`` (SIGTERM) to this very process, as a scheduler would, as the batch of ``step`` starts.
 
-    On ``rank`` only (every rank when None); once per process (``times`` signals in a row). The signal is real: the run's own
-    handler receives it between two bytecodes, wherever the step is.
+    On ``rank`` only (every rank when None); once per process (``times`` signals in a row). The signal is
+    real: the run's own handler receives it between two bytecodes, wherever the step is.
     """
 
     def __init__(self, step: int = 5, rank: int | None = None, signum: int = 15, times: int = 1) -> None:

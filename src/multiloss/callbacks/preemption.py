@@ -65,8 +65,7 @@ def under_slurm() -> bool:
 
 
 class Preemption(LeanCallback):
-    """Saves ``last.ckpt`` at a step boundary on SIGTERM or Ctrl-C (and SLURM's requeue signals), or when its interval is
-    due.
+    """Saves ``last.ckpt`` at a step boundary on SIGTERM or Ctrl-C (and SLURM's requeue signals), or when due.
 
     The decision is taken by the `Checkpoint` that saves, at the end of its own hooks: Lightning runs
     checkpoint callbacks after every other (the recipe's log rows included), so what is saved is
