@@ -137,6 +137,7 @@ class GAN(Recipe):
     ddp_submodules = ("generator", "discriminator")
     components: ClassVar[tuple[str, ...]] = ("generator", "discriminator")
     validation_loss = None  # no single loss to watch: scheduler=plateau needs model.scheduler.monitor
+    validation_metrics = ("val/loss/d", "val/loss/g", "val/modes (on the Gaussian mixtures, with mode=max)")
 
     def __init__(
         self,

@@ -248,3 +248,12 @@ def test_a_schedule_fitted_to_an_endless_run_is_refused_before_anything_is_writt
         )
     assert err.value.key == key
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_the_gans_plateau_without_a_monitor_names_the_metrics_it_logs(make_cfg, tmp_path):
+    # Was: "accepted: a validation metric, e.g. val/loss/ce", a metric the GAN never logs.
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", *SMALL[2:6], "scheduler=plateau", "trainer.max_epochs=1", output_dir=tmp_path))
+    assert err.value.key == "model.scheduler.monitor"
+    assert "val/loss/d, val/loss/g, val/modes" in err.value.accepted and "val/loss/ce" not in str(err.value)
+    assert not tmp_path.exists() or not any(tmp_path.rglob("*.*"))

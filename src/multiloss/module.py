@@ -45,6 +45,7 @@ class Recipe(ManualStep):
     task_losses: dict[str, torch.Tensor] | None = None  # this step's per-task losses, graph on (monitor=conflicts)
     shared_parameters: list[torch.nn.Parameter] | None = None  # the layers the tasks share, if named (else found)
     validation_loss: ClassVar[str | None] = "val/loss/total"  # what scheduler=plateau watches by default
+    validation_metrics: ClassVar[tuple[str, ...]] = ()  # without one: what a user may name instead (messages)
 
     @classmethod
     def from_data(cls, datamodule: L.LightningDataModule) -> dict[str, Any]:

@@ -201,6 +201,14 @@ def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> tuple
         for name, length in _RUN_LENGTHS.items()
         if target is not None and spec.get(name) is None and accepts(target, name)
     }
+    if "monitor" in passed and passed["monitor"] is None:
+        metrics = getattr(trainer.lightning_module, "validation_metrics", ())
+        raise ConfigError(
+            "model.scheduler.monitor",
+            None,
+            f"a metric the recipe logs at validation: {', '.join(metrics) or 'one of its val/ metrics'}",
+            f"{type(trainer.lightning_module).__name__} has no single validation loss to watch by default",
+        )
     try:
         scheduler = factory(optimizer, **passed)
     except ConfigError as err:
