@@ -139,10 +139,10 @@ def test_a_bad_component_config_names_its_key(make_cfg, tmp_path, override, key,
     assert not (tmp_path / ".hydra").exists()
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed", "64-true"])
 def test_the_check_runs_on_the_weights_and_inputs_of_each_precision(make_cfg, tmp_path, precision):
-    """At setup the weights are still float32 whatever the precision (Lightning converts them later), and a
-    batch reaching a step is already converted: the check must judge neither as a broken component."""
+    """The check runs the components as a step of that precision will: the weights and inputs cast as
+    Lightning casts them right after setup (true precisions), the batch of a step already converted."""
     small = ("recipe=accumulation", "model.net.width=16", "trainer.max_steps=2", "trainer.limit_val_batches=1")
     train(make_cfg(*small, "trainer.accelerator=cpu", f"trainer.precision={precision}", output_dir=tmp_path))
     assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 2
@@ -170,3 +170,26 @@ def test_ddp_spawn_is_refused_by_name(make_cfg, tmp_path):
         )
     assert err.value.key == "trainer.strategy" and "spawn" in err.value.message
     assert not (tmp_path / ".hydra").exists()
+
+
+def test_float64_data_trains_the_shipped_nets_in_64_true_and_is_refused_against_float32_weights(make_cfg, tmp_path):
+    """``data.dtypes={x: float64}`` feeds float64 inputs: the nets' weights must be float64 too."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(tmp_path / "d.npz", x=digits.data / 16.0, y=digits.target)
+    data = ("recipe=accumulation", "data=npz", f"data.path={tmp_path / 'd.npz'}", "data.dtypes={x: float64}")
+    small = (
+        *data,
+        "model.net.width=16",
+        "trainer.accelerator=cpu",
+        "trainer.max_steps=2",
+        "trainer.limit_val_batches=1",
+    )
+    with pytest.raises(ConfigError, match="Double and Float") as err:
+        train(make_cfg(*small, output_dir=tmp_path / "f32"))
+    assert err.value.key == "model.net"
+    train(make_cfg(*small, "trainer.precision=64-true", output_dir=tmp_path / "f64"))
+    weights = torch.load(tmp_path / "f64/checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    assert {w.dtype for w in weights.values()} == {torch.float64}

@@ -15,16 +15,31 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
 from multiloss.batches import as_dict, dataset_tensors, take
 from multiloss.config import ConfigError, require
 
 
 def run_check(module: L.LightningModule, check: Callable[[dict[str, Any]], None], batch: Any) -> None:
-    """``check`` on two examples of ``batch``; ``module``'s weights, BatchNorm statistics and RNGs stay as they were."""
-    # As given: at setup the weights are still float32 (a "bf16-true" Trainer converts them later),
-    # and a batch reaching a step has already been converted by Lightning's loop.
+    """``check`` on two examples of ``batch``; ``module``'s weights, BatchNorm statistics and RNGs stay as they were.
+
+    Under a Trainer whose precision casts the weights and the inputs (``64-true``, ``bf16-true``,
+    ``16-true``) the check runs as a step will: the module cast (what Lightning does right after
+    ``setup``), the batch cast, in the precision's dtype context (float64 data meet float64 weights).
+    """
     batch = take(as_dict(batch), 2)
+    plugin = module._trainer.precision_plugin if module._trainer is not None else None
+    if isinstance(plugin, DoublePrecision | HalfPrecision):
+        plugin.convert_module(module)
+        batch = plugin.convert_input(batch)
+        with plugin.forward_context():
+            _run(module, check, batch)
+        return
+    _run(module, check, batch)
+
+
+def _run(module: L.LightningModule, check: Callable[[dict[str, Any]], None], batch: dict[str, Any]) -> None:
     was_training = module.training
     # The batch's device, not module.device: at setup Lightning already reports the target device
     # while the weights (and the probe batch) are still on the CPU.
