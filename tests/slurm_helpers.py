@@ -14,12 +14,14 @@ class PreemptOnce(L.Callback):
     """On the job's first attempt, at ``step``, rank 0 asks SLURM to stop it: ``scontrol requeue`` (SLURM
     then sends SIGTERM to every task and queues the job again) or ``scancel --signal=USR1`` (every task
     gets SIGUSR1, as ``sbatch --signal=USR1@<s>`` sends it before the time limit; the run requeues
-    itself). The steps after it are slowed, so that the run is still training when the signal lands.
+    itself). The steps after it are slowed, so that the run is still training when the signal lands; with
+    ``hold``, the batch of ``step`` waits for the signal instead (a stop on that very batch).
     Writes ``preempted.txt`` (the step the run saved) into the run dir when the run stops.
     """
 
-    def __init__(self, how: str, step: int) -> None:
-        self.how, self.step, self.asked = how, step, False
+    def __init__(self, how: str, step: int, hold: bool = False) -> None:
+        # hold: keep the batch of `step` from ending until this rank has the signal (a stop exactly there).
+        self.how, self.step, self.hold, self.asked = how, step, hold, False
 
     def _first_attempt(self) -> bool:
         return os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
@@ -31,7 +33,14 @@ class PreemptOnce(L.Callback):
             job = os.environ["SLURM_JOB_ID"]
             command = ["scontrol", "requeue", job] if self.how == "scontrol_requeue" else ["scancel", "-s", "USR1", job]
             subprocess.Popen(command)
+        first = not self.asked
         self.asked = True
+        if self.hold and first:
+            preemption = next(c for c in trainer.callbacks if type(c).__name__ == "Preemption")
+            deadline = time.monotonic() + 60
+            while preemption.signalled is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # the handler runs between two of these
+            return
         time.sleep(0.3)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
