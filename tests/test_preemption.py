@@ -125,9 +125,11 @@ def test_the_handlers_before_the_run_are_back_after_it(make_cfg, tmp_path):
         signal.signal(signal.SIGTERM, before)
 
 
-def test_a_run_killed_after_its_first_epoch_continues_from_the_epoch_boundary(make_cfg, tmp_path):
-    """The default policy: last.ckpt at every epoch's end. A kill (no handler, no cleanup) in
-    epoch 2 loses that epoch's steps only; ``ckpt_path=last`` goes on exactly."""
+@pytest.mark.parametrize(("seconds", "saved_at"), [(0, 24), (3600, None)])
+def test_a_run_killed_after_its_first_epoch_continues_from_the_epoch_boundary(make_cfg, tmp_path, seconds, saved_at):
+    """last.ckpt at an epoch's end once ``epoch_save_seconds`` have passed since the last save (0: every epoch).
+    A kill (no handler, no cleanup) in epoch 2 loses that epoch's steps only; ``ckpt_path=last`` goes on
+    exactly. With an interval longer than the run, these short epochs saved nothing."""
     common, end = RECIPES["multihead"], "trainer.max_epochs=3"
     straight, run = tmp_path / "straight", tmp_path / "run"
     train(make_cfg(*common, end, output_dir=straight))
@@ -138,6 +140,7 @@ def test_a_run_killed_after_its_first_epoch_continues_from_the_epoch_boundary(ma
             str(ROOT / "train.py"),
             *common,
             end,
+            f"callbacks.model_checkpoint.epoch_save_seconds={seconds}",
             "print_config=false",
             "~callbacks.progress_bar",
             "trainer.enable_progress_bar=false",
@@ -153,7 +156,10 @@ def test_a_run_killed_after_its_first_epoch_continues_from_the_epoch_boundary(ma
         env={**os.environ, "OMP_NUM_THREADS": "1"},  # the threads of this process's runs: the same sums
     )
     assert killed.returncode == 3, killed.stderr[-3000:]
-    assert _global_step(run) == 24  # the end of epoch 1
+    if saved_at is None:
+        assert not (run / "checkpoints/last.ckpt").exists()
+        return
+    assert _global_step(run) == saved_at  # the end of epoch 1
 
     train(make_cfg(*common, end, "ckpt_path=last", output_dir=run))
     _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))

@@ -22,7 +22,10 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
     (stock Lightning with ``save_top_k=0`` writes it only when training ends: a run killed after 2 of
     15 epochs left nothing):
 
-    - ``save_last_every_epoch`` (default true): ``last.ckpt`` at every training epoch's end;
+    - ``save_last_every_epoch`` (default true): ``last.ckpt`` at a training epoch's end, once
+      ``epoch_save_seconds`` of training have passed since the last save (0, the default here: every
+      epoch's end; the shipped config's 60 s keeps a run of many short epochs from paying a save per
+      epoch, and still loses at most a minute and an epoch);
     - ``last_every_minutes``: also mid-epoch, at the first step boundary after this many minutes of
       training since the last save (all ranks agree on it: `multiloss.callbacks.Preemption`, which
       also saves it on SIGTERM).
@@ -49,22 +52,44 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
     """
 
     def __init__(
-        self, *args: Any, save_last_every_epoch: bool = True, last_every_minutes: float | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        save_last_every_epoch: bool = True,
+        epoch_save_seconds: float = 0.0,
+        last_every_minutes: float | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if not (isinstance(epoch_save_seconds, int | float) and epoch_save_seconds >= 0):
+            raise ConfigError("epoch_save_seconds", epoch_save_seconds, "a number of seconds ≥ 0 (0: every epoch)")
         if last_every_minutes is not None and not (
             isinstance(last_every_minutes, int | float) and last_every_minutes > 0
         ):
             raise ConfigError("last_every_minutes", last_every_minutes, "a number of minutes > 0, or null (off)")
         self.preemption: Any = None  # multiloss.callbacks.Preemption, set when training starts
-        self.save_last_every_epoch = save_last_every_epoch
+        self.save_last_every_epoch, self.epoch_save_seconds = save_last_every_epoch, epoch_save_seconds
         self.last_every_minutes = last_every_minutes
         self._saved_at = time.monotonic()
         self._batch_end_after_validation: int | None = None  # a training batch whose end waits for its validation
+        self._seen_step = 0
 
     def interval_due(self) -> bool:
         """``last_every_minutes`` have passed since the last save (or the start), on this process's clock."""
         return self.last_every_minutes is not None and time.monotonic() - self._saved_at >= 60 * self.last_every_minutes
+
+    def epoch_save_due(self, trainer: L.Trainer) -> bool:
+        """An epoch's end is to save ``last.ckpt``: ``save_last_every_epoch`` and ``epoch_save_seconds`` since the
+        last save (or training's start), on this process's clock (`multiloss.callbacks.Preemption` agrees the ranks)."""
+        return (
+            self.save_last_every_epoch
+            and trainer.global_step > 0
+            and time.monotonic() - self._saved_at >= self.epoch_save_seconds
+        )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._saved_at = time.monotonic()  # the intervals count training, not setup
+        self._seen_step = trainer.global_step
 
     def save_last_now(self, trainer: L.Trainer) -> Path | None:
         """Save ``last.ckpt`` at this step (every rank together) unless it holds this step already; its path."""
@@ -79,7 +104,11 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._every_n_train_steps or self._train_time_interval is not None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # Lightning's periodic saves
+        stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
+        if not stepped:
+            return  # a micro-batch inside a step: nothing to save, nothing for Preemption to decide
         if batch_idx + 1 < trainer.num_training_batches and validation_follows(trainer):
             # A save here would precede this batch's validation, which a resume skips (Lightning counts it
             # done): a schedule stepped on it, or an early stop, would differ. The validation's end decides.
@@ -102,21 +131,18 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self.save_last and (self._final_step(trainer) or self._every_epoch(trainer)):
+        if self.save_last and self._final_step(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if self.preemption is not None:
-            self.preemption.epoch_end(trainer)
+            self.preemption.epoch_end(trainer)  # the ranks agree on a signal and on epoch_save_due, then save
+        elif self.save_last and self.epoch_save_due(trainer):
+            self.save_last_now(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             return
         super().on_train_end(trainer, pl_module)
-
-    def _every_epoch(self, trainer: L.Trainer) -> bool:
-        return (
-            self.save_last_every_epoch and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer)
-        )
 
     def _final_step(self, trainer: L.Trainer) -> bool:
         """``max_steps`` reached by the step just taken, and no checkpoint of it yet."""

@@ -11,9 +11,10 @@ signalled, in the middle of whatever collective that rank was in.
 exits 1 keeping only the last epoch-end save) with the same. A handler only notes the signal (a
 second Ctrl-C stops at once, unsaved, as Python's own would). At the
 end of a batch that took an optimizer step (never between the micro-batches of one step) the ranks
-agree — one ``all_reduce(MAX)`` of two flags under DDP, nothing at all in one process — on "a signal
-came" and on "the checkpoint's time interval is due" (`multiloss.callbacks.Checkpoint`'s
-``last_every_minutes``, judged on every rank's clock, so no rank decides alone). Then every rank
+agree — one ``all_reduce(MAX)`` of three flags under DDP, nothing at all in one process — on "a signal
+came", on "the checkpoint's time interval is due" and, at an epoch's end, on "an epoch-end save is
+due" (`multiloss.callbacks.Checkpoint`'s ``last_every_minutes`` and ``epoch_save_seconds``, judged on
+every rank's clock, so no rank decides alone). Then every rank
 saves ``last.ckpt`` together, the state of that step with everything exact resume restores (the
 data position, RNG states, tbptt's carried state), and on a signal raises `RunPreempted`; the
 epoch's last batch is left to the epoch's end, where the checkpoint resumes into the next epoch.
@@ -140,17 +141,21 @@ class Preemption(LeanCallback):
         self._decide(trainer)
 
     def epoch_end(self, trainer: L.Trainer) -> None:
-        self._decide(trainer)
+        self._decide(trainer, epoch_end=True)
 
-    def _decide(self, trainer: L.Trainer) -> None:
+    def _decide(self, trainer: L.Trainer, epoch_end: bool = False) -> None:
         checkpoint = self._checkpoint
-        flags = [self.signalled is not None, checkpoint is not None and checkpoint.interval_due()]
+        flags = [
+            self.signalled is not None,
+            checkpoint is not None and checkpoint.interval_due(),
+            epoch_end and checkpoint is not None and checkpoint.epoch_save_due(trainer),
+        ]
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             agreed = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
             flags = [bool(v) for v in agreed.tolist()]
-        stop, due = flags
-        if not (stop or due):
+        stop, due, epoch_due = flags
+        if not (stop or due or epoch_due):
             return
         saved = checkpoint.save_last_now(trainer) if checkpoint is not None else None
         if not stop:
