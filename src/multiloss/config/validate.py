@@ -99,10 +99,12 @@ def _check_schedule_lengths(cfg: DictConfig) -> None:
     # Lightning's own default: max_epochs=None means 1000 epochs, or none at all once max_steps is set.
     epochs = (max_epochs is not None and max_epochs >= 0) or (max_epochs is None and max_steps in (-1, None))
     known = {"epochs": epochs, "total_steps": epochs or max_steps not in (-1, None)}
-    from multiloss.components import accepts
-
+    try:
+        params, open_kwargs = _parameters(get_object(spec._target_))
+    except Exception:  # an unimportable schedule: check_node names it
+        return
     for name, bounded in known.items():
-        if not bounded and spec.get(name) is None and accepts(spec._target_, name):
+        if not bounded and spec.get(name) is None and (name in params or open_kwargs):
             what = "epochs" if name == "epochs" else "optimizer steps"
             bound = "trainer.max_epochs=<n>" if name == "epochs" else "trainer.max_steps=<n> or trainer.max_epochs=<n>"
             raise ConfigError(
