@@ -34,7 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from multiloss.batches import require_keys
 from multiloss.callbacks import JsonRecord
 from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
 from multiloss.lr_scaling import effective_batch_size, lr_factor
 from multiloss.module import Recipe
@@ -85,21 +85,17 @@ class Accumulation(Recipe):
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
         count_exact: bool = False,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        scheduler: Any = None,
-        compile: bool = False,
+        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
-        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
+        super().__init__(**step_options)
         require(
             base_batch_size >= 1,
             "base_batch_size",
             base_batch_size,
             "an integer ≥ 1: the examples per optimizer step that model.optimizer.lr was tuned for",
         )
-        net, optimizer = plain(net), plain(optimizer)
-        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        net, optimizer = to_plain(net), to_plain(optimizer)
+        self.save_hyperparameters(ignore=names_given_as_objects(net=net, optimizer=optimizer), logger=False)
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
@@ -180,8 +176,10 @@ class Accumulation(Recipe):
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt = self.named_batch(batch), self.optimizers()
-        stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
+        batch, opt = self.prepare_batch(batch), self.optimizers()
+        stepping = self.ends_optimizer_step(
+            batch_idx
+        )  # every accumulate_grad_batches-th micro-batch, and an epoch's last
         with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
             logits = self(batch["x"])
             if self.count_exact:  # the micro-batch's summed loss over every example of its step, all ranks'
@@ -226,10 +224,12 @@ class Accumulation(Recipe):
         return sum(sizes) * trainer.world_size
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
+        batch = self.prepare_batch(batch)
         logits = self(batch["x"])
         self.log_losses(
-            {"total": F.cross_entropy(logits, batch["y"])}, prefix=f"{self.stage}/loss/", batch_size=len(batch["y"])
+            {"total": F.cross_entropy(logits, batch["y"])},
+            prefix=f"{self.eval_prefix}/loss/",
+            batch_size=len(batch["y"]),
         )
         self.val_acc(logits, batch["y"])
-        self.log(f"{self.stage}/acc", self.val_acc, on_epoch=True, prog_bar=True)
+        self.log(f"{self.eval_prefix}/acc", self.val_acc, on_epoch=True, prog_bar=True)

@@ -57,7 +57,7 @@ from torch import nn
 from multiloss.batches import require_keys
 from multiloss.callbacks import GeneratedSamplesPlot
 from multiloss.component_check import call_component, describe_output
-from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
 from multiloss.metrics import ModeCoverage
@@ -152,13 +152,9 @@ class GAN(Recipe):
         data_dim: int = 2,
         n_plot_samples: int = 1000,
         noise_seed: int = 0,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        scheduler: Any = None,
-        compile: bool = False,
+        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
-        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
+        super().__init__(**step_options)
         for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
             require(value >= 1, key, value, "an integer ≥ 1")
         require(gp_weight >= 0, "gp_weight", gp_weight, "a number ≥ 0 (0 = no gradient penalty)")
@@ -170,9 +166,9 @@ class GAN(Recipe):
             "Lipschitz), or loss=nonsaturating",
         )
         require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
-        generator, discriminator = plain(generator), plain(discriminator)
-        g_optimizer, d_optimizer = plain(g_optimizer), plain(d_optimizer)
-        given = objects_given(
+        generator, discriminator = to_plain(generator), to_plain(discriminator)
+        g_optimizer, d_optimizer = to_plain(g_optimizer), to_plain(d_optimizer)
+        given = names_given_as_objects(
             generator=generator, discriminator=discriminator, g_optimizer=g_optimizer, d_optimizer=d_optimizer
         )
         self.save_hyperparameters(ignore=given, logger=False)
@@ -305,13 +301,13 @@ class GAN(Recipe):
     # --- training -------------------------------------------------------------------------------
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, (opt_g, opt_d) = self.named_batch(batch), self.optimizers()
+        batch, (opt_g, opt_d) = self.prepare_batch(batch), self.optimizers()
         real, k = batch["x"], self.accumulate_grad_batches
 
         # Discriminator micro-batch. Inside the block only D's weights require grad (toggle_model), and
         # DDP all-reduces only when D steps; the fakes are detached as well, so D's backward stops at D's
         # input whatever built them.
-        d_steps = self.steps_on(batch_idx)  # every k-th micro-batch, and an epoch's last
+        d_steps = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
         with opt_d.toggle_model(sync_grad=d_steps):
             z, eps = self.noise(len(real))
             fake = self.generator(z).detach()
@@ -350,12 +346,12 @@ class GAN(Recipe):
         self._eval_noise = torch.Generator(device=self.device).manual_seed(self.global_rank)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
+        batch = self.prepare_batch(batch)
         real = batch["x"]
         z = torch.randn(len(real), self.latent_dim, generator=self._eval_noise, device=self.device)
         fake = self.generator(z)
         losses = {"d": self.discriminator_losses(real, fake)["d"], "g": self.generator_loss(fake)}
-        self.epoch_means.log(self, losses, f"{self.stage}/loss/", len(real))
+        self.epoch_means.log(self, losses, f"{self.eval_prefix}/loss/", len(real))
         if self.mode_coverage is not None:
             self.mode_coverage.update(fake)
 
@@ -365,5 +361,7 @@ class GAN(Recipe):
         # Every rank calls compute() (it gathers the states), whatever its own number of batches.
         scores = self.mode_coverage.compute()
         self.mode_coverage.reset()
-        self.log(f"{self.stage}/modes", scores["modes"], prog_bar=True, sync_dist=True)  # equal on all ranks already
-        self.log(f"{self.stage}/high_quality", scores["high_quality"], prog_bar=True, sync_dist=True)
+        self.log(
+            f"{self.eval_prefix}/modes", scores["modes"], prog_bar=True, sync_dist=True
+        )  # equal on all ranks already
+        self.log(f"{self.eval_prefix}/high_quality", scores["high_quality"], prog_bar=True, sync_dist=True)

@@ -18,22 +18,21 @@ both per-head alternatives with `multiloss.testing`) and the graph is walked onc
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss.balancers import Balancer, save_balancer_state
 from multiloss.batches import require_keys
 from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
-from multiloss.module import Recipe
+from multiloss.multitask import MultiTaskRecipe
 
 
-class MultiHead(Recipe):
+class MultiHead(MultiTaskRecipe):
     """Deep supervision: several classification heads of one network, Σ wᵢ·CE(headᵢ), one backward.
 
     Components:
@@ -65,23 +64,16 @@ class MultiHead(Recipe):
             or logits that ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
-    # What the recipe gives its balancer itself (the config sets neither).
-    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base", "net")}
-
     def __init__(
         self,
         net: Any,
         optimizer: Any = None,
         head_weights: list[float] | None = None,
         balancer: Any = None,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        scheduler: Any = None,
-        compile: bool = False,
+        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
-        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
-        net, optimizer, balancer = plain(net), plain(optimizer), plain(balancer)
+        super().__init__(balancer=balancer, **step_options)
+        net, optimizer, balancer = to_plain(net), to_plain(optimizer), to_plain(balancer)
         # A plain list of floats, not Hydra's ListConfig: checkpoints must load with weights_only=True.
         head_weights = None if head_weights is None else [float(w) for w in head_weights]
         require(
@@ -90,11 +82,11 @@ class MultiHead(Recipe):
             head_weights,
             "null (equal weights) or non-negative finite numbers, one per head, not all zero",
         )
-        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer, balancer=balancer), logger=False)
+        self.save_hyperparameters(
+            ignore=names_given_as_objects(net=net, optimizer=optimizer, balancer=balancer), logger=False
+        )
         # The balancer needs the number of heads, which only the component check (or a checkpoint)
-        # knows: built there (`_build_balancer`); None until then, and always None for `fixed`.
-        self.balancer_spec = balancer
-        self.balancer: Balancer | None = None
+        # knows: built there (`multiloss.multitask.MultiTaskRecipe.set_tasks`).
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.head_weights = head_weights
@@ -132,7 +124,7 @@ class MultiHead(Recipe):
             f"one weight per head: {n} numbers (model.net has {n} heads), or null for equal weights",
             "wrong length",
         )
-        self._build_balancer(n)
+        self.set_tasks([f"head{i}" for i in range(n)])
         if len(self.val_acc) != n:
             classes = [logits.shape[1] for logits in outputs]
             self.val_acc = nn.ModuleList(MulticlassAccuracy(c, average="micro") for c in classes).to(outputs[0].device)
@@ -144,84 +136,36 @@ class MultiHead(Recipe):
     def forward(self, x: torch.Tensor) -> Any:
         return self.net(x)
 
+    def configured_weights(self, names: list[str]) -> list[float]:
+        return self.head_weights or [1.0] * len(names)
+
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt, k = self.named_batch(batch), self.optimizers(), self.accumulate_grad_batches
-        stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
+        batch, opt, k = self.prepare_batch(batch), self.optimizers(), self.accumulate_grad_batches
+        stepping = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
         with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
             per_head = self.head_losses(batch)
-            self.task_losses = per_head  # monitor=conflicts reads them at the backward
-            total, loss = self.weighted_sum(per_head)
-            # One backward: autograd sums the heads' contributions where they meet in the trunk.
+            balanced = self.balance(per_head)  # Σ wᵢ·CE(headᵢ): head_weights, or the balancer's weights
+            # One backward: autograd sums the heads' contributions where they meet in the trunk. (PCGrad & co.:
+            # a scalar whose gradient is their combination of the heads' gradients.)
+            loss = balanced.total if balanced.surrogate is None else balanced.surrogate
             self.manual_backward(loss if k == 1 else loss / k)
-        self.task_losses = None
-        self.log_losses({**per_head, "total": total}, batch_size=len(batch["y"]))
+        self.log_losses({**per_head, "total": balanced.total.detach()}, batch_size=len(batch["y"]))
         if stepping:
             self.clip_gradients(opt)
             opt.step()
             opt.zero_grad(set_to_none=True)
         self.step_lr_schedule(opt, stepping)
 
-    # --- the heads' weights: head_weights, or a balancer other than `fixed` (multiloss.balancers) ----
-
-    def weighted_sum(self, per_head: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's total (logged) and the loss its backward takes: the same, but for a gradient balancer."""
-        if self.balancer is None:
-            if self.head_weights is None:  # equal weights: the plain sum
-                total = sum(per_head.values())
-            else:
-                total = sum(w * loss for w, loss in zip(self.head_weights, per_head.values()))
-            return total, total
-        self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
-        losses = torch.stack(list(per_head.values()))
-        weights = self.balancer.weights(losses.detach())
-        extra = self.balancer.extra(losses)
-        total = (weights.to(losses.dtype) * losses).sum() + (0 if extra is None else extra)
-        if self.balancer.adaptive:
-            self.log_train_values(tuple(f"weight/{name}" for name in per_head), weights)
-        if self.balancer.combines_gradients:  # PCGrad & co.: a scalar whose gradient is their combination
-            return total, self.balancer.surrogate(list(per_head.values()), list(self.net.parameters()))
-        return total, total
-
-    @property
-    def shared_parameters(self) -> list[nn.Parameter] | None:
-        return None if self.balancer is None else self.balancer.shared_parameters
-
-    @property
-    def built_at_setup(self) -> tuple[str, ...]:
-        """State-dict prefixes this module makes only at setup: a checkpoint may hold them before."""
-        return ("balancer.",) if self.balancer is None and self.balancer_spec is not None else ()
-
-    def _build_balancer(self, n_heads: int) -> None:
-        spec = self.balancer_spec
-        if spec is None or self.balancer is not None or spec.get("_target_") == "multiloss.balancers.Fixed":
-            return  # fixed: the recipe's own weighted sum, exactly as without balancers
-        names = [f"head{i}" for i in range(n_heads)]
-        weights = self.head_weights or [1.0] * n_heads
-        # Built at setup, outside the model's instantiation: its errors name the full key.
-        self.balancer = build_module(spec, "model.balancer", tasks=names, base=weights, net=self.net)
-        # The net's device: at setup Lightning already reports the target device while weights are on CPU.
-        self.balancer.to(next(self.net.parameters()).device)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.balancer is not None:
-            checkpoint["multihead_heads"] = len(self.balancer.tasks)
-            save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Before the weights load: a balancer with state must exist to receive it.
-        if "multihead_heads" in checkpoint:
-            self._build_balancer(int(checkpoint["multihead_heads"]))
-
     # --- validation ---------------------------------------------------------------------------------------
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
+        batch = self.prepare_batch(batch)
         logits = self.net(batch["x"])
         losses = {f"head{i}": F.cross_entropy(out, batch["y"]) for i, out in enumerate(logits)}
         weights = self.head_weights or [1.0] * len(losses)
         total = sum(w * loss for w, loss in zip(weights, losses.values()))
-        self.log_losses({**losses, "total": total}, prefix=f"{self.stage}/loss/", batch_size=len(batch["y"]))
+        self.log_losses({**losses, "total": total}, prefix=f"{self.eval_prefix}/loss/", batch_size=len(batch["y"]))
         for i, (out, acc) in enumerate(zip(logits, self.val_acc)):
             acc(out, batch["y"])
-            self.log(f"{self.stage}/acc/head{i}", acc, on_epoch=True)
-        self.log(f"{self.stage}/acc", self.val_acc[-1], on_epoch=True, prog_bar=True)
+            self.log(f"{self.eval_prefix}/acc/head{i}", acc, on_epoch=True)
+        self.log(f"{self.eval_prefix}/acc", self.val_acc[-1], on_epoch=True, prog_bar=True)

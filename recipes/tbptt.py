@@ -39,7 +39,7 @@ modelling: word_language_model, AWD-LSTM, Transformer-XL's memory).
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -52,7 +52,7 @@ from torchmetrics.text import Perplexity
 from multiloss.batches import require_keys
 from multiloss.callbacks import TextSamples
 from multiloss.component_check import call_component, check_rows_independent, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, objects_given, plain
+from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
 from multiloss.data.vocabulary import Vocabulary
 from multiloss.module import Recipe
@@ -152,13 +152,10 @@ class TruncatedBPTT(Recipe):
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
         count_exact: bool = False,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = 1.0,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        scheduler: Any = None,
-        compile: bool = False,
+        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
-        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
+        # An LSTM's gradient explodes now and then: clipped at 1.0 unless the config says otherwise.
+        super().__init__(**{"gradient_clip_val": 1.0, **step_options})
         require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (tokens per chunk)")
         require(sample_length >= 1, "sample_length", sample_length, "an integer ≥ 1 (tokens to generate)")
         require(sample_temperature >= 0, "sample_temperature", sample_temperature, "a number ≥ 0 (0 = greedy)")
@@ -182,7 +179,7 @@ class TruncatedBPTT(Recipe):
             + ", or null",
             f"not in the vocabulary: {unknown}" if unknown else "empty",
         )
-        net, optimizer = plain(net), plain(optimizer)
+        net, optimizer = to_plain(net), to_plain(optimizer)
         if isinstance(net, dict) and net.get("vocab_size") not in (None, len(self.vocab)):
             raise ConfigError(
                 "net.vocab_size",
@@ -191,7 +188,7 @@ class TruncatedBPTT(Recipe):
                 "or leave vocab_size out, and the recipe passes it",
                 f"the net would have {net['vocab_size']} logits for {len(self.vocab)} tokens",
             )
-        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer), logger=False)
+        self.save_hyperparameters(ignore=names_given_as_objects(net=net, optimizer=optimizer), logger=False)
         self.chunk_length, self.prompt = chunk_length, prompt
         self.count_exact, self.carry_state = bool(count_exact), bool(carry_state)
         self.net = build_module(net, "net", vocab_size=len(self.vocab))
@@ -207,7 +204,7 @@ class TruncatedBPTT(Recipe):
         links: dict[str, Any] = {}
         vocab = getattr(datamodule, "vocab", None)
         if vocab is not None:
-            links["vocab"] = vocab.plain() if isinstance(vocab, Vocabulary) else vocab
+            links["vocab"] = vocab.to_plain() if isinstance(vocab, Vocabulary) else vocab
         if (layout := getattr(datamodule, "layout", None)) is not None:
             links["carry_state"] = layout == "streams"
         return links
@@ -335,7 +332,7 @@ class TruncatedBPTT(Recipe):
     # ---------------------------------------------------------------- training
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt = self.named_batch(batch), self.optimizers()
+        batch, opt = self.prepare_batch(batch), self.optimizers()
         y = self.scored_targets(batch)
         # By length: chunks of chunk_length tokens (tensor_split(x, k) would make k chunks).
         xs = torch.split(batch["x"], self.chunk_length, dim=1)
@@ -399,7 +396,7 @@ class TruncatedBPTT(Recipe):
     # -------------------------------------------------------------- validation
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
+        batch = self.prepare_batch(batch)
         y = self.scored_targets(batch)
         # Chunk by chunk with the state carried: the scores of one forward over the whole sequence, the
         # memory of one chunk (logits are batch × chunk × vocabulary, not batch × sequence × vocabulary).
@@ -412,12 +409,12 @@ class TruncatedBPTT(Recipe):
         self.val_state = hidden if self.carry_state else None
         n_tokens = (y != IGNORE_INDEX).sum()
         ce = nll_sum / n_tokens.clamp(min=1)
-        self.log_losses({"ce": ce}, prefix=f"{self.stage}/loss/", batch_size=n_tokens)
+        self.log_losses({"ce": ce}, prefix=f"{self.eval_prefix}/loss/", batch_size=n_tokens)
         # Reduced over ranks by torchmetrics: the exact mean over every scored token of the set.
-        self.log(f"{self.stage}/ppl", self.val_ppl, on_epoch=True, prog_bar=True)
+        self.log(f"{self.eval_prefix}/ppl", self.val_ppl, on_epoch=True, prog_bar=True)
         if self.val_bpc is not None:
             self.val_bpc.update(ce / LN2, weight=n_tokens)
-            self.log(f"{self.stage}/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
+            self.log(f"{self.eval_prefix}/bpc", self.val_bpc, on_epoch=True, prog_bar=True)
 
     # ------------------------------------------------------------------ sample
 
@@ -447,7 +444,7 @@ class TruncatedBPTT(Recipe):
     # -------------------------------------------------------------- checkpoint
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["vocab"] = self.vocab.plain()
+        checkpoint["vocab"] = self.vocab.to_plain()
         if self.carry_state:
             # Every rank's own streams' state (a collective: every rank saves), stacked by rank.
             checkpoint[CARRIED_KEY] = apply_to_collection(self.carried, torch.Tensor, self._gathered)

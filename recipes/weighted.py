@@ -29,19 +29,18 @@ dw = 9 through the same function, and shows a zero weight leaves its head with a
 from __future__ import annotations
 
 import warnings
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
-from multiloss.balancers import Fixed, save_balancer_state
 from multiloss.batches import require_keys
 from multiloss.callbacks import LoggedCurvesPlot
 from multiloss.component_check import call_component, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, name_of, objects_given, plain
+from multiloss.components import build_module, build_optimizer_factory, name_of, names_given_as_objects, to_plain
 from multiloss.config import ConfigError
-from multiloss.module import Recipe
+from multiloss.multitask import MultiTaskRecipe
 from multiloss.tasks import build_tasks, loss_modules
 
 
@@ -55,7 +54,7 @@ def weighted_backward(losses: torch.Tensor, weights: torch.Tensor, **kwargs: Any
     torch.autograd.backward(losses, grad_tensors=weights.to(losses.dtype), **kwargs)
 
 
-class WeightedMultiTask(Recipe):
+class WeightedMultiTask(MultiTaskRecipe):
     """Multi-task learning: one loss per task on one network, one backward weighted by each task's weight.
 
     Components:
@@ -92,38 +91,25 @@ class WeightedMultiTask(Recipe):
             fails on its output and target or does not return a scalar, a metric that fails on them.
     """
 
-    # What the recipe gives its balancer itself (the config sets neither).
-    passed_to_components: ClassVar[dict[str, tuple[str, ...]]] = {"balancer": ("tasks", "base", "net")}
-
     def __init__(
         self,
         net: Any,
         tasks: Any,
         optimizer: Any = None,
         balancer: Any = None,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        scheduler: Any = None,
-        compile: bool = False,
+        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
-        super().__init__(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, scheduler, compile)
-        net, tasks, optimizer, balancer = plain(net), plain(tasks), plain(optimizer), plain(balancer)
-        self.save_hyperparameters(ignore=objects_given(net=net, optimizer=optimizer, balancer=balancer), logger=False)
-        self.tasks = build_tasks(tasks)
-        # The net is built first (a gradient-level balancer's `shared` names its layers) but registered
-        # after the balancer, which keeps the parameters' order, hence the optimizer state's, as it was.
-        network = build_module(net, "net")
-        # The weights of the one backward (multiloss.balancers): the configured ones by default. A
-        # module, so its weights follow the recipe to its device (and dtype under bf16-true), its
-        # parameters join the optimizer and its state the checkpoint.
-        names, weights = list(self.tasks), [t.weight for t in self.tasks.values()]
-        self.balancer = (
-            Fixed(names, weights)
-            if balancer is None
-            else build_module(balancer, "balancer", tasks=names, base=weights, net=network)
+        super().__init__(balancer=balancer, **step_options)
+        net, tasks, optimizer, balancer = to_plain(net), to_plain(tasks), to_plain(optimizer), to_plain(balancer)
+        self.save_hyperparameters(
+            ignore=names_given_as_objects(net=net, optimizer=optimizer, balancer=balancer), logger=False
         )
-        self.net = network
+        self.tasks = build_tasks(tasks)
+        self.net = build_module(net, "net")
+        # The weights of the one backward (multiloss.balancers): the configured ones by default. The tasks are
+        # the config's, known now: the balancer is built at once (a gradient balancer's `shared` names the net's
+        # layers), first among the modules (`multiloss.multitask`).
+        self.set_tasks(list(self.tasks), key="balancer")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})
         self.loss_modules = loss_modules(self.tasks)  # losses with state (pos_weight, ...) follow the device
@@ -183,42 +169,34 @@ class WeightedMultiTask(Recipe):
 
     # --- training ----------------------------------------------------------------------------------
 
-    @property
-    def shared_parameters(self) -> list[nn.Parameter] | None:
-        return self.balancer.shared_parameters
+    def configured_weights(self, names: list[str]) -> list[float]:
+        return [self.tasks[name].weight for name in names]
 
     def forward(self, x: torch.Tensor) -> Any:
         return self.net(x)
 
-    def task_losses_of(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def outputs_and_losses(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The net's outputs and each task's mean loss over the batch (mean, so batches and ranks average exactly)."""
         outputs = self.net(batch["x"])
         return outputs, {name: t.loss(outputs[name], batch[t.target]) for name, t in self.tasks.items()}
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt = self.named_batch(batch), self.optimizers()
-        stepping = self.steps_on(batch_idx)  # every accumulate_grad_batches-th micro-batch, and an epoch's last
-        k = self.accumulate_grad_batches
+        batch, opt, k = self.prepare_batch(batch), self.optimizers(), self.accumulate_grad_batches
+        stepping = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
         with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
-            _, per_task = self.task_losses_of(batch)
-            self.task_losses = per_task  # monitor=conflicts reads them at the backward
-            losses = torch.stack(list(per_task.values()))
-            self.balancer.start_epoch(self.current_epoch, self.mean_over_ranks)
-            weights = self.balancer.weights(losses.detach())
-            extra = self.balancer.extra(losses)  # a balancer's own term (uncertainty's log-variances)
-            if self.balancer.combines_gradients:  # PCGrad & co.: a scalar whose gradient is their combination
-                loss = self.balancer.surrogate(list(per_task.values()), list(self.net.parameters()))
-                self.manual_backward(loss if k == 1 else loss / k)
-            elif extra is None:  # one pass seeded with the weights: Σ wᵢ·∇lossᵢ, the graph walked once
-                self.manual_backward(losses if k == 1 else losses / k, gradient=weights)
-            else:
-                seeded = torch.cat([losses, extra.view(1)])
-                self.manual_backward(seeded / k, gradient=torch.cat([weights, weights.new_ones(1)]))
-        self.task_losses = None
-        total = (weights * losses.detach()).sum() + (0 if extra is None else extra.detach())
-        self.log_losses({**per_task, "total": total}, batch_size=len(batch["x"]))
-        if self.balancer.adaptive:
-            self.log_train_values(tuple(f"weight/{name}" for name in self.tasks), weights)
+            _, per_task = self.outputs_and_losses(batch)
+            balanced = self.balance(per_task)  # the weights: the configured ones, or the balancer's
+            if balanced.surrogate is not None:  # PCGrad & co.: a scalar whose gradient is their combination
+                self.manual_backward(balanced.surrogate if k == 1 else balanced.surrogate / k)
+            elif balanced.extra is None:  # one pass seeded with the weights: Σ wᵢ·∇lossᵢ, the graph walked once
+                self.manual_backward(balanced.losses / k if k > 1 else balanced.losses, gradient=balanced.weights)
+            else:  # the balancer's own term (uncertainty's log-variances) rides along with weight 1
+                seeded = torch.cat([balanced.losses, balanced.extra.view(1)])
+                weights = torch.cat([balanced.weights, balanced.weights.new_ones(1)])
+                self.manual_backward(seeded / k, gradient=weights)
+        self.log_losses({**per_task, "total": balanced.total.detach()}, batch_size=len(batch["x"]))
         if stepping:
             self.clip_gradients(opt)
             opt.step()
@@ -240,14 +218,14 @@ class WeightedMultiTask(Recipe):
         return task.activation(output) if task.activation is not None else output
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
-        outputs, per_task = self.task_losses_of(batch)
+        batch = self.prepare_batch(batch)
+        outputs, per_task = self.outputs_and_losses(batch)
         total = sum(t.weight * per_task[name] for name, t in self.tasks.items())
-        self.log_losses({**per_task, "total": total}, prefix=f"{self.stage}/loss/", batch_size=len(batch["x"]))
+        self.log_losses({**per_task, "total": total}, prefix=f"{self.eval_prefix}/loss/", batch_size=len(batch["x"]))
         for name, metric in self.task_metrics.items():
             task = self.tasks[name]
             metric(self._metric_input(task, outputs[name]), batch[task.target])
-            self.log(f"{self.stage}/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
+            self.log(f"{self.eval_prefix}/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
 
     def output_callbacks(self) -> list[L.Callback]:
         columns = [f"val/{t.metric_name}/{name}" for name, t in self.tasks.items() if t.metric is not None]
@@ -257,6 +235,3 @@ class WeightedMultiTask(Recipe):
             if columns
             else []
         )
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)

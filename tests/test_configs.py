@@ -71,7 +71,7 @@ HAS_OPTUNA_SWEEPER = find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
 def instantiate_all(cfg) -> None:
     check_config(cfg)
     testing.build(cfg)
-    build_trainer(cfg, [])
+    build_trainer(cfg)
 
 
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONFIG_DIR)))

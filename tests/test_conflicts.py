@@ -39,7 +39,7 @@ def test_logged_cosines_are_the_task_gradients_on_the_trunk(make_cfg, tmp_path, 
     train(cfg)
     (row,) = _rows(tmp_path)
 
-    _, per_task = before.task_losses_of(testing.first_batch(datamodule))
+    _, per_task = before.outputs_and_losses(testing.first_batch(datamodule))
     trunk = [p for n, p in before.named_parameters() if n.startswith(layers)]
     grads = {
         task: torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, trunk, retain_graph=True)])

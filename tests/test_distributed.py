@@ -250,6 +250,7 @@ def test_torchrun_restarts_a_job_whose_rank_died_and_it_continues_exactly(tmp_pa
             str(ROOT / "train.py"),
             *QUIET_RUN,
             *common,
+            "callbacks.model_checkpoint.epoch_save_seconds=0",  # epoch 1's end saved, however short the epoch
             "+callbacks.die._target_=tests.helpers.DieOnce",
             "+callbacks.die.rank=1",
             "+callbacks.die.step=9",  # 6 steps an epoch (1438 examples, 2 × 128 a step): epoch 2

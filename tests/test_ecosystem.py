@@ -82,7 +82,7 @@ def test_each_recipes_search_composes_its_recipe_and_objective(make_cfg, recipe:
         trial = make_cfg(f"recipe={recipe}", f"{key}={value}")
         check_config(trial)
         _, model = build_data_and_model(trial)
-        model.check_trainer(build_trainer(trial, []))
+        model.check_trainer(build_trainer(trial))
 
 
 @pytest.mark.skipif(find_spec("mlflow") is None, reason="the mlflow extra is not installed")

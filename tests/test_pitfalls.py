@@ -27,7 +27,7 @@ class PerHeadBackward(MultiHead):
     """The first loop everyone writes: one backward per head, no retain_graph."""
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch = self.named_batch(batch)
+        batch = self.prepare_batch(batch)
         for logits in self.net(batch["x"]):
             self.manual_backward(F.cross_entropy(logits, batch["y"]))
         self.optimizers().step()

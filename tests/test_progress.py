@@ -30,7 +30,6 @@ def test_bar_updates_at_its_rate_and_at_every_epoch_end(make_cfg, tmp_path):
         "recipe=multihead",
         *ONE_CPU_NO_VAL,
         "callbacks=default",
-        "~callbacks.lr_monitor",
         "~callbacks.loss_curves",
         "trainer.limit_val_batches=2",
         "callbacks.progress_bar._target_=tests.test_progress.CountingBar",

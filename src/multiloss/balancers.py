@@ -23,7 +23,8 @@ weight of 0 keeps a task off whatever the balancer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -87,6 +88,35 @@ def save_balancer_state(balancer: Balancer, checkpoint: dict, reduce: Reduce, pr
     state = balancer.checkpoint_extra_state(reduce)
     if state is not None:
         checkpoint["state_dict"][f"{prefix}_extra_state"] = state
+
+
+@dataclass
+class Balanced:
+    """One step's task losses, weighed by a balancer: what a recipe backwards and what it logs."""
+
+    losses: torch.Tensor  # the task losses, stacked (graph on)
+    weights: torch.Tensor  # this step's weights, one per task (no graph)
+    extra: torch.Tensor | None  # the balancer's own term, backwarded with weight 1 (graph on), or None
+    surrogate: torch.Tensor | None  # a gradient balancer's scalar to backward instead of the weighted losses
+
+    @property
+    def total(self) -> torch.Tensor:
+        """Σ wᵢ·Lᵢ (+ the balancer's term): the step's total, graph on (detach it to log it)."""
+        total = (self.weights.to(self.losses.dtype) * self.losses).sum()
+        return total if self.extra is None else total + self.extra
+
+
+def balance(
+    balancer: Balancer, losses: Mapping[str, torch.Tensor], params: Sequence[nn.Parameter], epoch: int, reduce: Reduce
+) -> Balanced:
+    """The balancer protocol of one training step, in the order it must run: the epoch it belongs to, the weights
+    for the detached losses, the balancer's own term, and a gradient balancer's surrogate of ``params``' gradient."""
+    balancer.start_epoch(epoch, reduce)
+    stacked = torch.stack(list(losses.values()))
+    weights = balancer.weights(stacked.detach())
+    extra = balancer.extra(stacked)
+    surrogate = balancer.surrogate(list(losses.values()), params) if balancer.combines_gradients else None
+    return Balanced(stacked, weights, extra, surrogate)
 
 
 class GradientBalancer(Balancer):

@@ -9,31 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from multiloss import lightning_internals as internals
 from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
-from multiloss.distributed import multiloss_ddp
-from multiloss.lightning_internals import resume_epoch_ends_exactly
+from multiloss.distributed import HydraJobLauncher, multiloss_ddp
 from multiloss.module import Recipe
 
 
-def build_trainer(
-    cfg: DictConfig, callbacks: list[L.Callback], leave_out: tuple[type[L.Callback], ...] = ()
-) -> L.Trainer:
-    """The Trainer of ``cfg.trainer`` with the config's callbacks (but those of a ``leave_out`` type) and loggers."""
-    configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
-    callbacks = [c for c in configured if not isinstance(c, leave_out)] + callbacks
+def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
+    """The Trainer of ``cfg.trainer`` with its loggers and every callback of a run (`run_callbacks`)."""
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
-    if not loggers:  # logger=none: the LR monitor has nowhere to write (Lightning would stop the run)
-        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
     trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
@@ -41,8 +36,37 @@ def build_trainer(
     # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
     if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
         trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
-    resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
+        internals.use_launcher(trainer.strategy, HydraJobLauncher)
+    internals.resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
     return trainer
+
+
+def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_loggers: bool = True) -> list[L.Callback]:
+    """Every callback a run adds to the Trainer, decided here; the recipe's own outputs and loggers of its rows come
+    from the recipe (`multiloss.module.Recipe.configure_callbacks`, Lightning's way for a module to carry them).
+
+    The config's ``callbacks`` group, then what multiloss always adds to a training: RngState (exact
+    resume is part of the contract of ``ckpt_path=``), RunRecord (the run's config copies and lock, once
+    fit() has checked the components on a batch of the data), the non-finite guard (nothing NaN trains
+    on silently or reaches a checkpoint), the graph-leak detector (a graph kept from step to step, over
+    the first batches), Preemption (SIGTERM or Ctrl-C saves the step reached and stops the run with a
+    non-zero exit), ReportOnce (an error every rank meets is printed once) and the resume rule (the
+    config's optimizer settings apply to a resumed run; another optimizer is refused). An evaluation
+    takes none of those, nor the configured callbacks that only training uses (a checkpoint callback
+    would reload its state and warn about the training run's dir; the loss curves).
+    """
+    from multiloss.callbacks import GraphLeakDetector, LossCurves, NonFiniteGuard, Preemption, RngState
+    from multiloss.callbacks.resume import ResumeRule
+    from multiloss.callbacks.run_record import RunRecord
+    from multiloss.distributed import ReportOnce
+
+    configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
+    if not has_loggers:  # logger=none: an LR monitor has nowhere to write (Lightning would stop the run)
+        configured = [c for c in configured if not isinstance(c, LearningRateMonitor)]
+    if purpose == "evaluate":
+        return [c for c in configured if not isinstance(c, ModelCheckpoint | LearningRateMonitor | LossCurves)]
+    always = [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
+    return [*configured, *always, Preemption(), ReportOnce(), ResumeRule()]
 
 
 def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
@@ -96,11 +120,11 @@ def _config_errors(path: str, node: DictConfig) -> Iterator[None]:
                 f"cannot be built: {cause}",
             ) from None
         if isinstance(cause, MisconfigurationException) or (path == "trainer" and isinstance(cause, ValueError)):
-            raise lightning_said(path, node, cause) from None
+            raise error_from_lightning(path, node, cause) from None
         raise
 
 
-def lightning_said(path: str, node: DictConfig, err: Exception) -> ConfigError:
+def error_from_lightning(path: str, node: DictConfig, err: Exception) -> ConfigError:
     """Lightning's own check failed: name the key its message is about, and pass its words on."""
     text = str(err)
     keys = [str(k) for k in node if not str(k).startswith("_") and str(k) in text]

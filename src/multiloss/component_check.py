@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
+from multiloss import lightning_internals as internals
 from multiloss.batches import as_dict, dataset_tensors, take
 from multiloss.config import ConfigError, require
 
@@ -29,7 +30,8 @@ def run_check(module: L.LightningModule, check: Callable[[dict[str, Any]], None]
     ``setup``), the batch cast, in the precision's dtype context (float64 data meet float64 weights).
     """
     batch = take(as_dict(batch), 2)
-    plugin = module._trainer.precision_plugin if module._trainer is not None else None
+    trainer = internals.attached_trainer(module)
+    plugin = trainer.precision_plugin if trainer is not None else None
     if isinstance(plugin, DoublePrecision | HalfPrecision):
         plugin.convert_module(module)
         batch = plugin.convert_input(batch)

@@ -29,7 +29,7 @@ from multiloss.config import ConfigError, require
 OptimizerFactory = Callable[..., Optimizer]
 
 
-def plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     """``value`` with every OmegaConf container turned into plain dicts and lists (interpolations resolved).
 
     Plain containers are what ``save_hyperparameters`` may store: a checkpoint holding an OmegaConf
@@ -38,9 +38,9 @@ def plain(value: Any) -> Any:
     if isinstance(value, DictConfig | ListConfig):
         return OmegaConf.to_container(value, resolve=True)
     if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
+        return [to_plain(v) for v in value]
     return value
 
 
@@ -48,7 +48,7 @@ def is_config(value: Any) -> bool:
     return isinstance(value, Mapping) and "_target_" in value
 
 
-def objects_given(**arguments: Any) -> list[str]:
+def names_given_as_objects(**arguments: Any) -> list[str]:
     """The names among ``arguments`` given as built objects rather than configs (left out of hyper-parameters)."""
     return [name for name, value in arguments.items() if value is not None and not isinstance(value, Mapping | str)]
 

@@ -23,21 +23,18 @@ import sys
 from collections.abc import Generator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
-from unittest import mock
 
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from lightning.pytorch.strategies.launchers import subprocess_script
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.lightning_internals import process_group_store
 from multiloss.module import Recipe
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
@@ -82,22 +79,18 @@ def job_command(local_rank: int) -> tuple[Sequence[str], str]:
     return command, get_original_cwd()
 
 
-class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
-    """Lightning's subprocess launcher, starting children with `job_command` when Hydra is running.
+class HydraJobLauncher(internals.ScriptLauncher):
+    """Lightning's script launcher, starting each child with `job_command` (the Hydra job, not the command line).
 
     After the job it leaves the launching process as it found it, so the next job of a sweep in
     the same process launches its own ranks again (see `finish`).
     """
 
+    command = staticmethod(job_command)
     _ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
-    def _call_children_scripts(self) -> None:
+    def before_launch(self) -> None:
         self._env_before = {key: os.environ.get(key) for key in self._ENV}
-        # Lightning builds the child command in this module-level function; swapping it for the
-        # duration of the launch keeps all of Lightning's environment handling (MASTER_ADDR,
-        # LOCAL_RANK, WORLD_SIZE, PL_GLOBAL_SEED, ...) instead of a copy of it.
-        with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", job_command):
-            super()._call_children_scripts()
 
     def finish(self) -> None:
         """Undo what launching did to this process: the job's process group and environment.
@@ -111,7 +104,7 @@ class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
             return
         for proc in self.procs:
             proc.wait()
-        _destroy_dist_connection()
+        internals.destroy_process_group()
         for key, value in self._env_before.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -124,11 +117,6 @@ class DDPStrategy(LightningDDPStrategy):
 
     strategy_name = "multiloss_ddp"
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is subprocess_script._SubprocessScriptLauncher:
-            self._launcher = _HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_distributed(self) -> None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -140,15 +128,16 @@ class DDPStrategy(LightningDDPStrategy):
             self.set_world_ranks()
             env = self.cluster_environment
             assert env is not None
+            timeout = internals.ddp_settings(self)["timeout"]
             store = torch.distributed.TCPStore(
-                env.main_address, env.main_port, world_size=env.world_size(), is_master=False, timeout=self._timeout
+                env.main_address, env.main_port, world_size=env.world_size(), is_master=False, timeout=timeout
             )
             torch.distributed.init_process_group(
-                self._get_process_group_backend(),
+                internals.process_group_backend(self),
                 rank=env.global_rank(),
                 world_size=env.world_size(),
                 store=torch.distributed.PrefixStore(f"multiloss/attempt_{attempt}", store),
-                timeout=self._timeout,
+                timeout=timeout,
             )
         super().setup_distributed()
 
@@ -158,13 +147,10 @@ class DDPStrategy(LightningDDPStrategy):
         if not names:
             super().configure_ddp()
             return
-        wrappers = {name: self._setup_model(getattr(module, name)) for name in names}
+        wrappers = {name: internals.wrap_in_ddp(self, getattr(module, name)) for name in names}
         # A plain attribute, not a submodule: the module's state_dict (and so every checkpoint)
         # keeps the same keys on one device and on many.
         object.__setattr__(module, _WRAPPERS, wrappers)
-        if self._ddp_comm_hook is not None:
-            for wrapper in wrappers.values():
-                wrapper.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -183,8 +169,8 @@ class DDPStrategy(LightningDDPStrategy):
         if module is not None and hasattr(module, _WRAPPERS):
             object.__delattr__(module, _WRAPPERS)
         super().teardown()
-        if isinstance(self._launcher, _HydraJobLauncher):
-            self._launcher.finish()
+        if isinstance(self.launcher, HydraJobLauncher):
+            self.launcher.finish()
 
 
 def multiloss_ddp(trainer: L.Trainer, requested: Any) -> DDPStrategy | None:
@@ -203,20 +189,18 @@ def multiloss_ddp(trainer: L.Trainer, requested: Any) -> DDPStrategy | None:
     # A strategy given as a `_target_` node is the user's deliberate choice, Lightning's own class included.
     if type(strategy) is not LightningDDPStrategy or not isinstance(requested, str):
         return None
-    # Lightning keeps its constructor arguments private; these four are all its __init__ stores.
-    if strategy._start_method != "popen":
+    settings = internals.ddp_settings(strategy)
+    start_method = settings.pop("start_method")
+    if start_method != "popen":
         raise ConfigError(
             "trainer.strategy",
             requested,
             "ddp (or trainer=ddp / trainer=ddp_cpu): processes started as scripts, one Hydra job each",
-            f"its processes are started by {strategy._start_method}, which cannot rebuild a Hydra run "
+            f"its processes are started by {start_method}, which cannot rebuild a Hydra run "
             "(the run dir's ${hydra:...} interpolations do not resolve there)",
         )
-    return DDPStrategy(
-        process_group_backend=strategy._process_group_backend,
-        timeout=strategy._timeout,
-        **strategy._ddp_kwargs,
-    )
+    ddp = DDPStrategy(**settings)
+    return ddp
 
 
 class ReportOnce(LeanCallback):
@@ -236,7 +220,7 @@ class ReportOnce(LeanCallback):
 def _first_to_report(message: str) -> bool:
     import hashlib
 
-    store = process_group_store()
+    store = internals.process_group_store()
     if store is None:
         return True
     try:

@@ -84,9 +84,6 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     against the recipe it builds (a checkpoint of another recipe or shape is a `ConfigError` on
     ``ckpt_path``). The metrics are the loggers' (``metrics.csv`` in the eval run dir) too.
     """
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    from multiloss.callbacks import LossCurves
     from multiloss.checkpoints import verify_checkpoint
     from multiloss.console import save_run_config
     from multiloss.run_dir import refuse_a_runs_dir
@@ -97,9 +94,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if rank_zero_only.rank == 0:  # ranks started for this evaluation find the dir rank zero made
         refuse_a_runs_dir(cfg.paths.output_dir)
     datamodule, model = build_data_and_model(cfg)
-    # Not the callbacks only training uses (a checkpoint callback would reload its state and warn
-    # about the training run's dir).
-    trainer = build_trainer(cfg, [], leave_out=(ModelCheckpoint, LearningRateMonitor, LossCurves))
+    trainer = build_trainer(cfg, "evaluate")
     verify_checkpoint(cfg.ckpt_path, model)
     _check_split(cfg)
     if trainer.is_global_zero:

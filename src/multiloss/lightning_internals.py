@@ -1,27 +1,43 @@
-"""Every use of a Lightning (or torch) name that is not public API, in one place, with the version it was read from.
+"""Every use of a Lightning (or torch) name that is not public API, behind one door, read from a stated version.
 
-Read from Lightning 2.6 (``lightning/pytorch/...``) and torch 2.13. An upgrade that moves one of these
-fails `check_internals` (run by the test suite) with the name, instead of a recipe failing mid-run.
+Read from Lightning 2.6 (``lightning/pytorch/...``, ``lightning/fabric/...``) and torch 2.13. The rest of
+multiloss calls the functions here; no other module names a private Lightning attribute (a test reads
+the source for one). `check_internals` lists what an installed Lightning no longer has, and the test
+suite fails with those names, instead of a recipe failing mid-run after an upgrade.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.fabric.utilities import distributed as fabric_distributed
+from lightning.fabric.utilities import seed as fabric_seed
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loops import utilities as loop_utilities
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import subprocess_script
+
+# --- the loop ------------------------------------------------------------------------------------------
 
 
 class _ResumableFitLoop(_FitLoop):
     """Lightning's fit loop, restarted from a checkpoint taken at an epoch's end the same way whatever bounds the run.
 
-    ``_FitLoop.restarting`` (``loops/fit_loop.py``, 2.6) is forced on for every run with
-    ``max_steps`` set (``_iteration_based_training``), even when the checkpoint's epoch had finished:
-    the restart then replays that epoch's end and counts it twice (a resumed run one epoch ahead
-    of the straight run: another data order, and ``max_epochs`` reached with nothing trained).
-    Here a finished epoch is not a restart whatever the bounds, as it already is without ``max_steps``.
+    ``_FitLoop.restarting`` (``loops/fit_loop.py``) is forced on for every run with ``max_steps`` set
+    (``_iteration_based_training``), even when the checkpoint's epoch had finished: the restart then
+    replays that epoch's end and counts it twice (a resumed run one epoch ahead of the straight run:
+    another data order, and ``max_epochs`` reached with nothing trained). Here a finished epoch is not a
+    restart whatever the bounds, as it already is without ``max_steps``.
     """
 
     @_Loop.restarting.setter  # type: ignore[attr-defined]
@@ -38,13 +54,92 @@ def resume_epoch_ends_exactly(trainer: L.Trainer) -> None:
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after the training batch whose ``on_train_batch_end`` is running.
-
-    ``_TrainingEpochLoop._should_check_val_fx`` (``loops/training_epoch_loop.py``, 2.6), the test its
-    ``on_advance_end`` runs once the batch's hooks have returned.
-    """
+    """Whether Lightning validates right after the training batch whose ``on_train_batch_end`` is running
+    (``_TrainingEpochLoop._should_check_val_fx``, the test its ``on_advance_end`` runs after the batch's hooks)."""
     loop = trainer.fit_loop.epoch_loop
     return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+def epoch_ends(trainer: L.Trainer) -> bool:
+    """Whether the training batch being trained is its epoch's last (``_num_ready_batches_reached``)."""
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def batches_that_stepped(trainer: L.Trainer) -> int:
+    """Lightning's logging step: training batches that ended an optimizer step so far (``_batches_that_stepped``)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def writes_log_row(trainer: L.Trainer) -> bool:
+    """Whether this training batch writes a log row (``_LoggerConnector.should_update_logs``; under accumulation,
+    every micro-batch of the row's step)."""
+    return trainer._logger_connector.should_update_logs
+
+
+def ends_accumulation(trainer: L.Trainer) -> bool:
+    """Whether this batch ends the optimizer step Lightning counts (``not _FitLoop._should_accumulate()``)."""
+    return not trainer.fit_loop._should_accumulate()
+
+
+@contextlib.contextmanager
+def no_gradient_sync(strategy: Any) -> Iterator[None]:
+    """A block whose backward DDP does not all-reduce (``loops.utilities._block_parallel_sync_behavior``)."""
+    with loop_utilities._block_parallel_sync_behavior(strategy, block=True):
+        yield
+
+
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The Trainer ``module`` is attached to, or None (``LightningModule._trainer``; ``.trainer`` raises instead)."""
+    return module._trainer
+
+
+# --- callbacks: the checkpoint, the learning-rate names ------------------------------------------------
+
+
+def saved_this_step(callback: ModelCheckpoint, trainer: L.Trainer) -> bool:
+    """Whether ``callback`` has nothing to save now: this step saved already, or a sanity check, a fast dev run
+    (``ModelCheckpoint._should_skip_saving_checkpoint``)."""
+    return callback._should_skip_saving_checkpoint(trainer)
+
+
+def save_last(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
+    """``callback``'s ``last.ckpt`` of this step (``_save_last_checkpoint`` with ``_monitor_candidates``)."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def saves_periodically(callback: ModelCheckpoint) -> bool:
+    """Whether ``callback`` saves every n training steps or every time interval (its batch-end saves)."""
+    return bool(callback._every_n_train_steps) or callback._train_time_interval is not None
+
+
+def last_saved(callback: ModelCheckpoint) -> str:
+    """The newest file ``callback`` saved ('' if none): ``last_model_path``, else ``_last_checkpoint_saved``."""
+    return callback.last_model_path or getattr(callback, "_last_checkpoint_saved", "")
+
+
+def learning_rate_names(optimizers: list[Any]) -> list[list[str]]:
+    """Each optimizer's param groups' column names as Lightning's `LearningRateMonitor` writes them
+    (``lr-Adam``, ``lr-Adam/generator``, ``lr-Adam-1/discriminator``: ``_find_names_from_optimizers``)."""
+    names, _ = LearningRateMonitor()._find_names_from_optimizers(optimizers, [], defaultdict(int))
+    return names
+
+
+# --- random streams, process groups, launchers ---------------------------------------------------------
+
+
+def rng_states() -> dict[str, Any]:
+    """torch's, numpy's, python's (and CUDA's) random states (``fabric.utilities.seed._collect_rng_states``)."""
+    return fabric_seed._collect_rng_states(include_cuda=True)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what `rng_states` returned (``_set_rng_states``)."""
+    fabric_seed._set_rng_states(states)
+
+
+def destroy_process_group() -> None:
+    """End this process's default process group, if it has one (``_destroy_dist_connection``)."""
+    fabric_distributed._destroy_dist_connection()
 
 
 def process_group_store() -> Any:
@@ -57,27 +152,124 @@ def process_group_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def ddp_settings(strategy: DDPStrategy) -> dict[str, Any]:
+    """The arguments a Lightning `DDPStrategy` was built with (it keeps them private): start method, backend,
+    timeout and DDP's own keyword arguments."""
+    return {
+        "start_method": strategy._start_method,
+        "process_group_backend": strategy._process_group_backend,
+        "timeout": strategy._timeout,
+        **strategy._ddp_kwargs,
+    }
+
+
+def process_group_backend(strategy: DDPStrategy) -> str:
+    """The backend ``strategy`` initialises its process group with (``_get_process_group_backend``)."""
+    return strategy._get_process_group_backend()
+
+
+def wrap_in_ddp(strategy: DDPStrategy, module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` in a DistributedDataParallel wrapper built as ``strategy`` builds its own (``_setup_model``),
+    with the strategy's communication hook, if it has one."""
+    wrapper = strategy._setup_model(module)
+    if strategy._ddp_comm_hook is not None:
+        wrapper.register_comm_hook(state=strategy._ddp_comm_state, hook=strategy._ddp_comm_hook)
+    return wrapper
+
+
+class ScriptLauncher(subprocess_script._SubprocessScriptLauncher):
+    """Lightning's launcher of ranks > 0 as scripts, starting each with ``command(local_rank) -> (args, cwd)``.
+
+    Lightning builds the child command in a module-level function (``_hydra_subprocess_cmd``); swapping it
+    for the launch keeps all of Lightning's environment handling (MASTER_ADDR, LOCAL_RANK, ...).
+    """
+
+    command: Callable[[int], tuple[Any, str]]
+
+    def _call_children_scripts(self) -> None:
+        self.before_launch()
+        original = subprocess_script._hydra_subprocess_cmd
+        subprocess_script._hydra_subprocess_cmd = type(self).command
+        try:
+            super()._call_children_scripts()
+        finally:
+            subprocess_script._hydra_subprocess_cmd = original
+
+    def before_launch(self) -> None:
+        """Called in the launching process right before the children start."""
+
+
+def use_launcher(strategy: DDPStrategy, launcher_class: type[ScriptLauncher]) -> None:
+    """Give ``strategy`` a ``launcher_class`` where Lightning gave it its stock script launcher."""
+    if type(strategy._launcher) is subprocess_script._SubprocessScriptLauncher:
+        strategy._launcher = launcher_class(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+
+
+# --- the check ------------------------------------------------------------------------------------------
+
+# What this module reads, as "module:Owner.name" ("Owner()" when the class's methods assign it to instances).
+READS = (
+    "lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training",
+    "lightning.pytorch.loops.fit_loop:_FitLoop._should_accumulate",
+    "lightning.pytorch.loops.fit_loop:_FitLoop()._data_fetcher",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_check_val_fx",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._num_ready_batches_reached",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop()._skip_next_val",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop()._batches_that_stepped",
+    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.should_update_logs",
+    "lightning.pytorch.trainer.trainer:Trainer()._logger_connector",
+    "lightning.pytorch.loops.utilities:_block_parallel_sync_behavior",
+    "lightning.pytorch.core.module:LightningModule()._trainer",
+    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._should_skip_saving_checkpoint",
+    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._save_last_checkpoint",
+    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._monitor_candidates",
+    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint()._every_n_train_steps",
+    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint()._train_time_interval",
+    "lightning.pytorch.callbacks.lr_monitor:LearningRateMonitor._find_names_from_optimizers",
+    "lightning.fabric.utilities.seed:_collect_rng_states",
+    "lightning.fabric.utilities.seed:_set_rng_states",
+    "lightning.fabric.utilities.distributed:_destroy_dist_connection",
+    "lightning.pytorch.strategies.ddp:DDPStrategy()._start_method",
+    "lightning.pytorch.strategies.ddp:DDPStrategy()._process_group_backend",
+    "lightning.pytorch.strategies.ddp:DDPStrategy()._timeout",
+    "lightning.pytorch.strategies.ddp:DDPStrategy()._ddp_kwargs",
+    "lightning.pytorch.strategies.ddp:DDPStrategy()._ddp_comm_hook",
+    "lightning.pytorch.strategies.ddp:DDPStrategy()._ddp_comm_state",
+    "lightning.pytorch.strategies.ddp:DDPStrategy._setup_model",
+    "lightning.pytorch.strategies.ddp:DDPStrategy._get_process_group_backend",
+    "lightning.pytorch.strategies.strategy:Strategy()._launcher",
+    "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
+    "lightning.pytorch.strategies.launchers.subprocess_script:_hydra_subprocess_cmd",
+    "torch.distributed.distributed_c10d:_get_default_store",
+)
+
+
 def check_internals() -> list[str]:
-    """The private Lightning names multiloss relies on that this Lightning no longer has (empty: all there)."""
-    missing = []
-    current = _FitLoop.__dict__.get("restarting")
-    if not isinstance(current, property) or "_iteration_based_training" not in _FitLoop.__dict__:
-        missing.append("lightning.pytorch.loops.fit_loop._FitLoop.restarting / _iteration_based_training")
-    epoch_loop = _TrainingEpochLoop
-    if not hasattr(epoch_loop, "_should_check_val_fx") or "_skip_next_val" not in _init_names(epoch_loop):
-        missing.append("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_check_val_fx")
-    import torch.distributed as dist
-
-    if dist.is_available() and not hasattr(dist.distributed_c10d, "_get_default_store"):
-        missing.append("torch.distributed.distributed_c10d._get_default_store")
-    if "_data_fetcher" not in _init_names(_FitLoop):
-        missing.append("lightning.pytorch.loops.fit_loop._FitLoop._data_fetcher")
-    return missing
+    """The names in `READS` that this Lightning (or torch) no longer has (empty: all there)."""
+    return [read for read in READS if not _exists(read)]
 
 
-def _init_names(cls: type) -> set[str]:
-    """The attribute names ``cls.__init__`` assigns (``self.<name> =``), read from its source."""
-    import inspect
-    import re
+def _exists(read: str) -> bool:
+    module_name, path = read.split(":")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    *owners, name = path.split(".")
+    for part in owners:
+        assigned_in_init = part.endswith("()")
+        owner = getattr(owner, part.removesuffix("()"), None)
+        if owner is None:
+            return False
+        if assigned_in_init:
+            return name in _instance_names(owner)
+    return hasattr(owner, name)
 
-    return set(re.findall(r"self\.(\w+)\s*[:=]", inspect.getsource(cls.__init__)))
+
+def _instance_names(cls: type) -> set[str]:
+    """The attribute names the methods of ``cls`` or a base assign (``self.<name> =``), read from their source."""
+    names: set[str] = set()
+    for klass in inspect.getmro(cls):
+        with contextlib.suppress(TypeError, OSError):
+            names |= set(re.findall(r"self\.(\w+)\s*[:=]", inspect.getsource(klass)))
+    return names

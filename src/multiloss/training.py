@@ -5,14 +5,10 @@ from __future__ import annotations
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
-from multiloss.builders import build_data_and_model, build_trainer, lightning_said
-from multiloss.callbacks import GraphLeakDetector, NonFiniteGuard, Preemption, RngState
-from multiloss.callbacks.resume import ResumeRule
+from multiloss.builders import build_data_and_model, build_trainer, error_from_lightning
 from multiloss.callbacks.run_record import BATCHES_KEY, RunRecord
 from multiloss.checkpoints import verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
-from multiloss.distributed import ReportOnce
-from multiloss.module import Recipe
 from multiloss.pitfalls import explain
 from multiloss.run_dir import resume_from
 
@@ -26,20 +22,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))
     check_config(cfg)
     datamodule, model = build_data_and_model(cfg)
-    # Besides the config's callbacks, always there: RngState (exact resume is part of the contract of
-    # `ckpt_path=`), RunRecord (the run's config copies, once fit() has checked the components on a
-    # batch of the data), the non-finite guard (nothing NaN trains on silently or reaches a
-    # checkpoint), the graph-leak detector (a graph kept from step to step, over the first batches),
-    # Preemption (SIGTERM saves the step reached and stops the run with a non-zero exit), the
-    # resume rule (the config's optimizer settings apply to a resumed run; another optimizer is refused).
-    record = RunRecord(cfg)
-    always = [RngState(), record, NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector(), Preemption()]
-    always.append(ReportOnce())  # an error every rank meets is printed once
-    trainer = build_trainer(cfg, [*always, ResumeRule()])
-    # Settings only the recipe can judge against the built Trainer (trainer.accumulate_grad_batches
-    # under manual optimization): rejected here, before any file is written.
-    if isinstance(model, Recipe):
-        model.check_trainer(trainer)
+    trainer = build_trainer(cfg, "train")
+    record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
     if cfg.get("ckpt_path"):
         checkpoint = verify_checkpoint(cfg.ckpt_path, model)
         verify_position(
@@ -62,7 +46,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         named = any(str(k) in str(err) for k in cfg.trainer if not str(k).startswith("_"))
         if isinstance(err, ConfigError) or record.started or not named:
             raise
-        raise lightning_said("trainer", cfg.trainer, err) from None
+        raise error_from_lightning("trainer", cfg.trainer, err) from None
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 

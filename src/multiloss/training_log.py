@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
 
 
@@ -29,8 +30,10 @@ class StepRows:
 
     limit = 1024
 
-    def __init__(self, width: int, device: torch.device, scalars: bool = False) -> None:
-        self.rows = torch.empty(8, width, device=device)
+    def __init__(
+        self, width: int, device: torch.device, scalars: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.rows = torch.empty(8, width, device=device, dtype=dtype)
         self.scalars = scalars  # values come as 0-d float32 tensors: stacked as they are
         self.steps: list[int] = []
         self.folded: tuple[torch.Tensor, int] | None = None  # sum and count of rows folded away
@@ -113,14 +116,15 @@ class TrainingLog:
             scalars = not isinstance(values, torch.Tensor) and all(
                 v.dim() == 0 and v.dtype == torch.float32 for v in values
             )
-            rows = self.groups[names] = StepRows(len(names), device, scalars)
+            dtype = values.dtype if isinstance(values, torch.Tensor) and values.is_floating_point() else torch.float32
+            rows = self.groups[names] = StepRows(len(names), device, scalars, dtype)
             if watched:
                 self.watched.add(names)
         rows.append(values, step)
         if watched:
             self.unjudged.append((names, len(rows.steps) - 1))
 
-    def take_unjudged(self) -> list[torch.Tensor]:
+    def pop_new_loss_rows(self) -> list[torch.Tensor]:
         """The watched rows added since the last call (``nonfinite=skip`` judges a step by its own losses)."""
         taken = [self.groups[names].rows[i] for names, i in self.unjudged if i < len(self.groups[names].steps)]
         self.unjudged.clear()
@@ -146,7 +150,8 @@ class TrainingLog:
         """Every group's means as one row to each logger, and into ``trainer.callback_metrics``.
 
         Written the way Lightning's LearningRateMonitor writes its rates (``logger.log_metrics`` at
-        the logging step), not through ``self.log``. One host read per group.
+        the logging step), not through ``self.log``. One host read per group; the learning rates the
+        recipe adds on a row's batch (`multiloss.module.Recipe.log_learning_rates`) share the row.
         """
         row: dict[str, float] = {}
         for names, rows in self.groups.items():
@@ -174,9 +179,9 @@ class TrainingLogWriter(LeanCallback):
     ) -> None:
         # Lightning counts this batch's step only after the batch (and a validation it runs) is over: the
         # index holds until the next batch ends, for the checkpoint, validation or epoch end in between.
-        self.training_log.step_index = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.training_log.step_index = internals.batches_that_stepped(trainer)
         # The last hook before Lightning writes a log row; a micro-batch that does not step writes none.
-        if trainer._logger_connector.should_update_logs and not trainer.fit_loop._should_accumulate():
+        if internals.writes_log_row(trainer) and internals.ends_accumulation(trainer):
             self.training_log.write_row(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -325,7 +325,6 @@ def test_resume_mid_epoch_equals_straight_run(make_cfg, tmp_path):
         "trainer.limit_val_batches=0",
         "logger=none",
         "~callbacks.loss_curves",
-        "~callbacks.lr_monitor",
         f"data.batch_size={BATCH}",
         *SMALL_GAN,
         "model.n_plot_samples=0",
@@ -351,7 +350,6 @@ def test_resume_from_a_max_steps_stop_at_an_epoch_end_equals_straight_run(make_c
         "trainer.limit_val_batches=0",
         "logger=none",
         "~callbacks.loss_curves",
-        "~callbacks.lr_monitor",
         "data.n_samples=640",  # 576 training points: 9 batches × (D + G) = 18 steps an epoch
         f"data.batch_size={BATCH}",
         *SMALL_GAN,

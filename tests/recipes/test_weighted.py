@@ -153,11 +153,11 @@ def test_the_pitfalls_it_replaces(make_cfg):
     trunk's saved tensors are gone), and the bare loss vector cannot backward without weights."""
     datamodule, model = testing.build(make_cfg(*QUICK))
     batch = testing.first_batch(datamodule)
-    _, losses = model.task_losses_of(batch)
+    _, losses = model.outputs_and_losses(batch)
     losses["digit"].backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         losses["parity"].backward()
-    _, losses = model.task_losses_of(batch)
+    _, losses = model.outputs_and_losses(batch)
     with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
         torch.stack(list(losses.values())).backward()
 

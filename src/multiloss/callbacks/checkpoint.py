@@ -10,9 +10,9 @@ import lightning as L
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.lightning_internals import validation_follows
 
 
 class Checkpoint(ModelCheckpoint, LeanCallback):
@@ -93,23 +93,23 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
 
     def save_last_now(self, trainer: L.Trainer) -> Path | None:
         """Save ``last.ckpt`` at this step (every rank together) unless it holds this step already; its path."""
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and not internals.saved_this_step(self, trainer):
+            internals.save_last(self, trainer)
         return Path(self.last_model_path) if self.last_model_path else None
 
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)
-        self._saved_at = time.monotonic()
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._saved_at = time.monotonic()  # any save, this callback's or another's: the intervals count from it
+        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._every_n_train_steps or self._train_time_interval is not None:
+        if internals.saves_periodically(self):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # Lightning's periodic saves
         stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
         if not stepped:
             return  # a micro-batch inside a step: nothing to save, nothing for Preemption to decide
-        if batch_idx + 1 < trainer.num_training_batches and validation_follows(trainer):
+        if batch_idx + 1 < trainer.num_training_batches and internals.validation_follows(trainer):
             # A save here would precede this batch's validation, which a resume skips (Lightning counts it
             # done): a schedule stepped on it, or an early stop, would differ. The validation's end decides.
             self._batch_end_after_validation = batch_idx
@@ -125,28 +125,28 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
     def _batch_end(self, trainer: L.Trainer, batch_idx: int) -> None:
         epoch_ends = batch_idx + 1 >= trainer.num_training_batches
         if self.save_last and self._final_step(trainer) and not epoch_ends:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            internals.save_last(self, trainer)
         if self.preemption is not None:
             self.preemption.batch_end(trainer, batch_idx)  # after every other callback's hook: the whole step
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if self.save_last and self._final_step(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            internals.save_last(self, trainer)
         if self.preemption is not None:
             self.preemption.epoch_end(trainer)  # the ranks agree on a signal and on epoch_save_due, then save
         elif self.save_last and self.epoch_save_due(trainer):
             self.save_last_now(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and trainer.global_step > 0 and not internals.saved_this_step(self, trainer):
+            internals.save_last(self, trainer)
             return
         super().on_train_end(trainer, pl_module)
 
     def _final_step(self, trainer: L.Trainer) -> bool:
         """``max_steps`` reached by the step just taken, and no checkpoint of it yet."""
-        return 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer)
+        return 0 < trainer.max_steps <= trainer.global_step and not internals.saved_this_step(self, trainer)
 
 
 class LearningRateMonitor(lightning_callbacks.LearningRateMonitor, LeanCallback):

@@ -9,19 +9,21 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
+from multiloss import lightning_internals as internals
 from multiloss.callbacks.plots import curves_figure, logged_curves
 from multiloss.lean_callback import LeanCallback
-from multiloss.module import Recipe
+from multiloss.multitask import MultiTaskRecipe, TaskLossObserver
 from multiloss.task_gradients import pairwise_cosines, task_gradients
 
 
-class ConflictMonitor(LeanCallback):
+class ConflictMonitor(TaskLossObserver, LeanCallback):
     """On the steps that write a log row, the cosine between each pair of tasks' gradients on the shared parameters.
 
     Logs ``conflict/cos/<a>-<b>`` and ``conflict/negative/<a>-<b>`` (the share of monitored steps so
     far whose cosine was negative: the tasks pulled the shared layers apart), and plots the cosines
-    over the steps to ``<dirpath>/<filename>`` when training ends. Works for a recipe that exposes its
-    step's per-task losses as ``task_losses`` (multihead, weighted), whatever its balancer. Cost: one
+    over the steps to ``<dirpath>/<filename>`` when training ends. Works for a recipe that hands its
+    step's task losses to its observers (`multiloss.multitask.MultiTaskRecipe`: multihead, weighted),
+    whatever its balancer. Cost: one
     extra backward per task, on monitored steps only (every ``trainer.log_every_n_steps``); the
     gradients are computed apart from training's, which they do not change. Shared parameters: those
     that more than one task's loss reaches, or those a balancer's ``shared`` key names. Rank zero's
@@ -33,9 +35,10 @@ class ConflictMonitor(LeanCallback):
         self.monitored = 0
         self.negative: dict[str, torch.Tensor] = {}
 
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        losses = pl_module.task_losses if isinstance(pl_module, Recipe) else None
-        if not losses or len(losses) < 2 or not trainer._logger_connector.should_update_logs:
+    def observe_task_losses(
+        self, trainer: L.Trainer, pl_module: MultiTaskRecipe, losses: dict[str, torch.Tensor]
+    ) -> None:
+        if len(losses) < 2 or not internals.writes_log_row(trainer):
             return
         if not trainer.is_global_zero:
             return

@@ -29,6 +29,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
 
@@ -60,7 +61,7 @@ class NonFiniteGuard(LeanCallback):
         # The 2-norm: one fused kernel per device. NaN and inf propagate into it; a finite norm past
         # float32's range (≥ 1.8e19) also reads as inf, where Adam's squared gradient overflows too.
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).reshape(1)
-        losses = pl_module.training_log.take_unjudged() if isinstance(pl_module, Recipe) else []
+        losses = pl_module.training_log.pop_new_loss_rows() if isinstance(pl_module, Recipe) else []
         checks = torch.cat([total.float(), *(v.reshape(-1).float() for v in losses)])
         if not bool(torch.isfinite(checks).all()):  # the per-step host read
             for group in optimizer.param_groups:
@@ -128,7 +129,7 @@ def _last_checkpoint(trainer: L.Trainer) -> str | None:
     """The newest checkpoint on disk of finite weights: this run's last save, else the one it resumed from."""
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
-            path = callback.last_model_path or getattr(callback, "_last_checkpoint_saved", "")
+            path = internals.last_saved(callback)
             if path and Path(path).is_file():
                 return str(path)
     resumed = trainer.ckpt_path

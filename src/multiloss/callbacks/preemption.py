@@ -76,7 +76,7 @@ class Preemption(LeanCallback):
     def __init__(self) -> None:
         self.signalled: int | None = None
         self._previous: dict[int, Any] = {}
-        self._trainer: L.Trainer | None = None
+        self._signalled_trainer: L.Trainer | None = None
         self._seen_step = 0
         self._checkpoint: Checkpoint | None = None  # the one that saves, and decides at its own hooks' end
 
@@ -96,7 +96,7 @@ class Preemption(LeanCallback):
     def _install(self, trainer: L.Trainer) -> None:
         if self._previous or threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only (a run in a worker thread keeps its own)
-        self._trainer = trainer
+        self._signalled_trainer = trainer
         signums = STOP_SIGNALS + (REQUEUE_SIGNALS if under_slurm() else ())
         for signum in signums:
             self._previous[signum] = signal.signal(signum, self._note)
@@ -108,7 +108,7 @@ class Preemption(LeanCallback):
         if not first and signum == signal.SIGINT:
             raise KeyboardInterrupt  # Ctrl-C again: stop now, without the save
         self.signalled = signum if first else self.signalled
-        launcher = self._trainer.strategy.launcher if self._trainer is not None else None
+        launcher = self._signalled_trainer.strategy.launcher if self._signalled_trainer is not None else None
         if first and launcher is not None and getattr(launcher, "procs", None):
             launcher.kill(signum)  # ranks this process started (trainer=ddp_cpu from one command) stop too
 

@@ -7,8 +7,8 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
+from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
 
 
@@ -27,7 +27,7 @@ class RngState(LeanCallback):
         self._pending: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        states = _collect_rng_states(include_cuda=True)
+        states = internals.rng_states()
         kind, keys, pos, has_gauss, cached = states["numpy"]
         states["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
         return {"rng": states}
@@ -41,5 +41,5 @@ class RngState(LeanCallback):
         states = dict(self._pending)
         kind, keys, pos, has_gauss, cached = states["numpy"]
         states["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
-        _set_rng_states(states)
+        internals.set_rng_states(states)
         self._pending = None

@@ -16,6 +16,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from multiloss import lightning_internals as internals
 from multiloss.console import print_config_tree, save_run_config
 from multiloss.history import HISTORY_KEY, continue_history, history_entry
 from multiloss.lean_callback import LeanCallback
@@ -81,9 +82,7 @@ class RunRecord(LeanCallback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[OVERRIDES_KEY] = self.overrides
-        last_step = (
-            pl_module.step_index if isinstance(pl_module, Recipe) else trainer.fit_loop.epoch_loop._batches_that_stepped
-        )
+        last_step = pl_module.step_index if isinstance(pl_module, Recipe) else internals.batches_that_stepped(trainer)
         checkpoint[HISTORY_KEY] = history_entry(trainer, last_step)
         checkpoint[CONFIG_DIRS_KEY] = self.config_dirs
         checkpoint[SPLIT_KEY] = {k: self.cfg.data[k] for k in SPLIT_KEYS if k in self.cfg.data}

@@ -141,6 +141,6 @@ class Vocabulary:
             return " ".join(map(str, ids))
         return self.separator.join(self.spec[i] for i in ids)  # type: ignore[index]
 
-    def plain(self) -> Any:
+    def to_plain(self) -> Any:
         """The spec as checkpoints and hyper-parameters keep it (a list of words stays a list)."""
         return list(self.spec) if isinstance(self.spec, list) else self.spec
