@@ -117,7 +117,7 @@ class Accumulation(Recipe):
         call_component(
             "model.net", net, F.cross_entropy, logits, batch["y"], given=f"logits {describe_output(logits)}; {given}"
         )
-        check_class_labels(self.trainer.datamodule if self._trainer is not None else None, logits.shape[1])
+        check_class_labels(self.attached_datamodule, logits.shape[1])
         if self.val_acc is None or self.val_acc.num_classes != logits.shape[1]:
             self.val_acc = MulticlassAccuracy(logits.shape[1], average="micro").to(logits.device)
 

@@ -233,7 +233,7 @@ class GAN(Recipe):
                 )
         self.sample_shape = tuple(real.shape[1:])
         # Mode coverage where the data has modes (the Gaussian mixtures), scored at every validation.
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         if (centers := getattr(datamodule, "centers", None)) is not None and self.mode_coverage is None:
             self.mode_coverage = ModeCoverage(centers, datamodule.std).to(real.device)
 
@@ -248,7 +248,7 @@ class GAN(Recipe):
         generators are seeded alike), and drawing z and ε in separate calls would make k
         micro-batches draw differently from one batch of k·b.
         """
-        world = self.trainer.world_size if self._trainer is not None else 1
+        world = self.trainer.world_size if self.attached_trainer is not None else 1
         rows = torch.randn(n * world, self.latent_dim + 1, generator=self._noise_generator(), device=self.device)
         rows = rows[self.global_rank :: world]
         return rows[:, :-1], torch.special.ndtr(rows[:, -1:])  # ndtr: Φ, so ε is uniform

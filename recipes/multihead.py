@@ -115,7 +115,7 @@ class MultiHead(MultiTaskRecipe):
                 given=f"head {i}: {describe_output(logits)}; {given}",
             )
         for logits in outputs:
-            check_class_labels(self.trainer.datamodule if self._trainer is not None else None, logits.shape[1])
+            check_class_labels(self.attached_datamodule, logits.shape[1])
         n = len(outputs)
         require(
             self.head_weights is None or len(self.head_weights) == n,

@@ -296,7 +296,7 @@ class TruncatedBPTT(Recipe):
 
     def check_token_ids(self) -> None:
         """Every token id of the data (its ``max_token_id``, where it tells) has a row in the net's embedding."""
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         largest = getattr(datamodule, "max_token_id", None)
         if largest is None:
             return
@@ -455,7 +455,7 @@ class TruncatedBPTT(Recipe):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.carry_state and (carried := checkpoint.get(CARRIED_KEY)) is not None:
-            world, rank = (self.trainer.world_size, self.trainer.global_rank) if self._trainer else (1, 0)
+            world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.attached_trainer else (1, 0)
             saved_world = next(t for t in _tensors(carried)).shape[0]
             if saved_world == world:
                 self.carried = apply_to_collection(carried, torch.Tensor, lambda t: t[rank])

@@ -205,6 +205,29 @@ def use_launcher(strategy: DDPStrategy, launcher_class: type[ScriptLauncher]) ->
         strategy._launcher = launcher_class(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
 
+# --- torch's GradScaler (16-mixed) ------------------------------------------------------------------------
+
+
+def grad_scaler_settings(scaler: Any) -> tuple[dict[str, Any], bool]:
+    """The arguments ``scaler`` (a ``torch.amp.GradScaler``) was built with, and whether it has a scale yet."""
+    settings = {
+        "device": scaler._device,
+        "init_scale": scaler._init_scale,
+        "growth_factor": scaler._growth_factor,
+        "backoff_factor": scaler._backoff_factor,
+        "growth_interval": scaler._growth_interval,
+        "enabled": scaler._enabled,
+    }
+    return settings, scaler._scale is not None
+
+
+def unscaled_since_update(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler`` unscaled ``optimizer``'s gradients since its last ``update`` (``_per_optimizer_states``)."""
+    from torch.amp.grad_scaler import OptState
+
+    return scaler._enabled and scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
 # --- the check ------------------------------------------------------------------------------------------
 
 # What this module reads, as "module:Owner.name" ("Owner()" when the class's methods assign it to instances).
@@ -241,6 +264,10 @@ READS = (
     "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
     "lightning.pytorch.strategies.launchers.subprocess_script:_hydra_subprocess_cmd",
     "torch.distributed.distributed_c10d:_get_default_store",
+    "torch.amp.grad_scaler:GradScaler()._per_optimizer_states",
+    "torch.amp.grad_scaler:GradScaler()._init_scale",
+    "torch.amp.grad_scaler:GradScaler()._growth_interval",
+    "torch.amp.grad_scaler:OptState",
 )
 
 

@@ -14,14 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import GradScaler, OptState
+from torch.amp.grad_scaler import GradScaler
+
+from multiloss import lightning_internals as internals
 
 
 class UnscaleOnceGradScaler(GradScaler):
     """A ``GradScaler`` whose ``unscale_`` leaves an optimizer already unscaled since the last ``update`` alone."""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
+        if internals.unscaled_since_update(self, optimizer):
             return
         super().unscale_(optimizer)
 
@@ -31,15 +33,9 @@ def install(precision_plugin: Any) -> None:
     scaler = getattr(precision_plugin, "scaler", None)
     if type(scaler) is not GradScaler:
         return
-    replacement = UnscaleOnceGradScaler(
-        device=scaler._device,
-        init_scale=scaler._init_scale,
-        growth_factor=scaler._growth_factor,
-        backoff_factor=scaler._backoff_factor,
-        growth_interval=scaler._growth_interval,
-        enabled=scaler._enabled,
-    )
-    if scaler._scale is not None:  # a scaler that has stepped already: keep its scale and growth tracker
+    settings, stepped = internals.grad_scaler_settings(scaler)
+    replacement = UnscaleOnceGradScaler(**settings)
+    if stepped:  # a scaler that has stepped already: keep its scale and growth tracker
         replacement.load_state_dict(scaler.state_dict())
     precision_plugin.scaler = replacement
 

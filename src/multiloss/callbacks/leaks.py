@@ -37,7 +37,7 @@ class GraphLeakDetector(LeanCallback):
         self.steps = steps
         self.outputs: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.after_batch: list[int] = []
-        self._handles: list[Any] = []
+        self._forward_hooks: list[Any] = []
 
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -50,13 +50,13 @@ class GraphLeakDetector(LeanCallback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._handles:
-            self._handles = [m.register_forward_hook(self._note) for m in _eager_modules(pl_module)]
+        if not self._forward_hooks:
+            self._forward_hooks = [m.register_forward_hook(self._note) for m in _eager_modules(pl_module)]
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._handles:
+        if not self._forward_hooks:
             return
         self._remove()
         self.after_batch.append(sum(t.numel() * t.element_size() for t in list(self.outputs.values())))
@@ -71,9 +71,9 @@ class GraphLeakDetector(LeanCallback):
         self._remove()
 
     def _remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._forward_hooks:
             handle.remove()
-        self._handles = []
+        self._forward_hooks = []
 
     def _verdict(self) -> None:
         held = self.after_batch
