@@ -98,12 +98,7 @@ class Balanced:
     weights: torch.Tensor  # this step's weights, one per task (no graph)
     extra: torch.Tensor | None  # the balancer's own term, backwarded with weight 1 (graph on), or None
     surrogate: torch.Tensor | None  # a gradient balancer's scalar to backward instead of the weighted losses
-
-    @property
-    def total(self) -> torch.Tensor:
-        """Σ wᵢ·Lᵢ (+ the balancer's term): the step's total, graph on (detach it to log it)."""
-        total = (self.weights.to(self.losses.dtype) * self.losses).sum()
-        return total if self.extra is None else total + self.extra
+    total: torch.Tensor  # Σ wᵢ·Lᵢ (+ the balancer's term): the step's total, graph on (detach it to log it)
 
 
 def balance(
@@ -116,7 +111,8 @@ def balance(
     weights = balancer.weights(stacked.detach())
     extra = balancer.extra(stacked)
     surrogate = balancer.surrogate(list(losses.values()), params) if balancer.combines_gradients else None
-    return Balanced(stacked, weights, extra, surrogate)
+    total = (weights.to(stacked.dtype) * stacked).sum()
+    return Balanced(stacked, weights, extra, surrogate, total if extra is None else total + extra)
 
 
 class GradientBalancer(Balancer):

@@ -83,9 +83,11 @@ class MultiTaskRecipe(Recipe):
             self._observers = [c for c in self.trainer.callbacks if isinstance(c, TaskLossObserver)]
         for observer in self._observers:
             observer.observe_task_losses(self.trainer, self, losses)
-        assert self.balancer is not None, "set_tasks runs in the component check, before the first step"
-        balanced = balance(self.balancer, losses, list(self.net.parameters()), self.current_epoch, self.mean_over_ranks)
-        if self.balancer.adaptive:
+        balancer = self.balancer
+        assert balancer is not None, "set_tasks runs in the component check, before the first step"
+        params = list(self.net.parameters()) if balancer.combines_gradients else []  # only a surrogate needs them
+        balanced = balance(balancer, losses, params, self.current_epoch, self.mean_over_ranks)
+        if balancer.adaptive:
             self.log_train_values(tuple(f"weight/{name}" for name in losses), balanced.weights)
         return balanced
 
