@@ -64,6 +64,20 @@ from multiloss.metrics import ModeCoverage
 from multiloss.module import Recipe
 
 
+def _batch_norms(module: nn.Module) -> list[str]:
+    """The names of ``module``'s BatchNorm layers."""
+    kinds = (
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.SyncBatchNorm,
+        nn.LazyBatchNorm1d,
+        nn.LazyBatchNorm2d,
+        nn.LazyBatchNorm3d,
+    )
+    return [name or "(itself)" for name, m in module.named_modules() if isinstance(m, kinds)]
+
+
 def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """E[(‖∇ₓ̂ critic(x̂)‖₂ − 1)²] at x̂ = ε·real + (1−ε)·fake (Gulrajani et al., 2017).
 
@@ -85,8 +99,9 @@ class GAN(Recipe):
             ``data_dim`` features): ``generator(z)`` with ``z`` of shape ``(batch, latent_dim)``
             returns samples of the data's sample shape (checked at setup).
         discriminator (group ``discriminator``, default ``mlp``): ``discriminator(x)`` returns one
-            score (a logit) per sample, shape ``(batch,)`` or ``(batch, 1)``. No BatchNorm: the
-            gradient penalty is per sample, and split batches must give the same gradients.
+            score (a logit) per sample, shape ``(batch,)`` or ``(batch, 1)``. No BatchNorm with
+            ``gp_weight`` > 0 (the penalty needs each sample's own gradient; refused at setup); without
+            a penalty BatchNorm is fine (DCGAN's), though split batches then stop being one batch.
         g_optimizer, d_optimizer (options of the ``optimizer`` group, default ``adam_gan``).
         scheduler (group ``scheduler``, default ``linear_decay``): one schedule per optimizer.
         data: batches with ``x`` (real samples, any shape); ``(x,)`` / ``(x, y)`` tuples too.
@@ -98,11 +113,18 @@ class GAN(Recipe):
     picked from the ``optimizer`` group: ``optimizer@model.d_optimizer=sgd``): per training batch, one
     discriminator (critic) micro-batch on the real batch and as many generated points, detached, with
     only D's weights requiring grad (``toggle_model``); its loss divided by ``accumulate_grad_batches``
-    = k, and every k-th batch (and an epoch's last) D's clipping, step and zeroing. Every
-    ``n_critic``·k-th batch, right after D has stepped, one generator step of k micro-batches of fresh
-    noise through the updated D, with only G's weights requiring grad. Each schedule follows its
-    optimizer's steps (the default ``linear_decay``: both rates fall linearly to 0 by
-    ``trainer.max_epochs``, one step per epoch; ``scheduler=constant`` keeps them).
+    = k, and every k-th batch (and an epoch's last) D's clipping, step and zeroing. Then, right after
+    D has stepped, a generator step of k micro-batches through the updated D, with only G's weights
+    requiring grad — after every ``n_critic``-th D step (``g_step_after=last``, the WGAN-GP paper's
+    Algorithm 1) or after the first of every ``n_critic`` (``first``, PyTorch-GAN's ``i % n_critic ==
+    0``: batches 0, n, 2n, ... of each epoch). G's input, ``g_input``: ``fresh`` noise (Algorithm 1),
+    ``same_z`` — G run again on the noise of the D step just taken (PyTorch-GAN; under k, micro-batch
+    i on the noise of D's micro-batch i) — or ``same_fakes`` — G's loss through the very fakes D scored
+    detached, one G forward a batch, its graph kept from D's micro-batch to G's step (DCGAN, and every
+    tutorial's ``fake.detach()`` example; k = 1 only). Under DDP each network syncs only its own
+    step's last micro-batch, whichever noise it runs on. Each schedule follows its optimizer's steps
+    (the default ``linear_decay``: both rates fall linearly to 0 by ``trainer.max_epochs``, one step
+    per epoch; ``scheduler=constant`` keeps them). ``trainer.max_steps`` counts both optimizers' steps.
 
     Losses: ``nonsaturating`` (D: softplus(−D(x)) + softplus(D(G(z))); G: softplus(−D(G(z)))) or
     ``wgan-gp`` (critic: D(G(z)) − D(x) + λ·GP; G: −D(G(z))). ``gp_weight`` = λ > 0 adds the gradient
@@ -124,8 +146,9 @@ class GAN(Recipe):
 
     Raises:
         ConfigError: ``n_critic``, ``accumulate_grad_batches``, ``latent_dim`` or ``data_dim`` < 1;
-            ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``; ``n_plot_samples`` < 0; the step options'
-            checks (`multiloss.module.Recipe`); at setup (before any step or write), a generator whose
+            ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``; ``n_plot_samples`` < 0; ``g_input=same_fakes``
+            with ``accumulate_grad_batches`` > 1; the step options' checks (`multiloss.module.Recipe`); at
+            setup (before any step or write), a discriminator with BatchNorm and ``gp_weight`` > 0, a generator whose
             samples do not have the data's shape (with the shipped ``mlp``: set ``model.data_dim`` to the
             data's feature count) or a discriminator that does not give one score per sample. A single
             ``model.optimizer`` (``optimizer=sgd``) is an unknown key: the GAN has two.
@@ -152,6 +175,8 @@ class GAN(Recipe):
         data_dim: int = 2,
         n_plot_samples: int = 1000,
         noise_seed: int = 0,
+        g_input: Literal["fresh", "same_fakes", "same_z"] = "fresh",
+        g_step_after: Literal["last", "first"] = "last",
         **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
         super().__init__(**step_options)
@@ -166,6 +191,16 @@ class GAN(Recipe):
             "Lipschitz), or loss=nonsaturating",
         )
         require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
+        require(g_input in ("fresh", "same_fakes", "same_z"), "g_input", g_input, "fresh, same_fakes or same_z")
+        require(g_step_after in ("last", "first"), "g_step_after", g_step_after, "last or first")
+        require(
+            g_input != "same_fakes" or self.accumulate_grad_batches == 1,
+            "g_input",
+            g_input,
+            f"fresh or same_z with model.accumulate_grad_batches={self.accumulate_grad_batches} (same_z runs G again "
+            "on each micro-batch's noise), or model.accumulate_grad_batches=1",
+            "same_fakes keeps G's graph from D's micro-batch to G's step: k batches' graphs at once",
+        )
         generator, discriminator = to_plain(generator), to_plain(discriminator)
         g_optimizer, d_optimizer = to_plain(g_optimizer), to_plain(d_optimizer)
         given = names_given_as_objects(
@@ -176,6 +211,8 @@ class GAN(Recipe):
         self.d_optimizer_factory = build_optimizer_factory(d_optimizer, "d_optimizer")
         self.loss, self.n_critic, self.gp_weight = loss, n_critic, gp_weight
         self.latent_dim, self.n_plot_samples, self.noise_seed = latent_dim, n_plot_samples, noise_seed
+        self.g_input, self.g_step_after = g_input, g_step_after
+        self._d_step_noise: list[torch.Tensor] = []  # same_z: the noise of the D step's micro-batches so far
         self._noise: torch.Generator | None = None  # made on first use, on the module's device
         self._noise_state: torch.Tensor | None = None  # from a checkpoint, applied when it is made
 
@@ -231,6 +268,14 @@ class GAN(Recipe):
                     "a discriminator that returns one score per sample, shape (batch,) or (batch, 1)",
                     f"for {what} samples {describe_output(x)} it returned {describe_output(scores)}",
                 )
+        if self.gp_weight > 0 and (norms := _batch_norms(self.discriminator)):
+            raise ConfigError(
+                "model.discriminator",
+                critic,
+                "a discriminator without BatchNorm while model.gp_weight > 0 (the penalty needs each sample's own "
+                "gradient ∇D(x̂), and BatchNorm mixes a batch's samples), or model.gp_weight=0 (DCGAN's loop)",
+                f"it has BatchNorm: {', '.join(norms[:3])}",
+            )
         self.sample_shape = tuple(real.shape[1:])
         # Mode coverage where the data has modes (the Gaussian mixtures), scored at every validation.
         datamodule = self.attached_datamodule
@@ -303,33 +348,35 @@ class GAN(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch, (opt_g, opt_d) = self.prepare_batch(batch), self.optimizers()
         real, k = batch["x"], self.accumulate_grad_batches
+        d_steps = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
+        g_steps = self.generator_steps_after(batch_idx)
+        z, eps = self.noise(len(real))
+        # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step below (through G's own
+        # DDP wrapper, whose backward is then G's step's).
+        kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
 
         # Discriminator micro-batch. Inside the block only D's weights require grad (toggle_model), and
         # DDP all-reduces only when D steps; the fakes are detached as well, so D's backward stops at D's
         # input whatever built them.
-        d_steps = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
         with opt_d.toggle_model(sync_grad=d_steps):
-            z, eps = self.noise(len(real))
-            fake = self.generator(z).detach()
+            fake = (kept if kept is not None else self.generator(z)).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
             self.manual_backward(d_losses["d"] if k == 1 else d_losses["d"] / k)
         self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
+        self._d_step_noise.append(z)
         if d_steps:
             self.clip_gradients(opt_d)
             opt_d.step()
             opt_d.zero_grad(set_to_none=True)
         self.step_lr_schedule(opt_d, d_steps)
 
-        # Generator step after every n_critic-th D step: k micro-batches of fresh noise. G's loss is built
-        # only now, through the D that opt_d.step() has just updated in place, never through a graph from
-        # before that step.
-        g_steps = (batch_idx + 1) % (self.n_critic * k) == 0
+        # Generator step: k micro-batches through the D that opt_d.step() has just updated in place (G's loss
+        # is built only now, never through a graph from before that step), on g_input's noise.
         if g_steps:
             g_losses = []
             for micro in range(k):
                 with opt_g.toggle_model(sync_grad=micro == k - 1):
-                    z, _ = self.noise(len(real))
-                    g_loss = self.generator_loss(synced(self, "generator")(z))
+                    g_loss = self.generator_loss(kept if kept is not None else self.generator_output(micro, len(real)))
                     self.manual_backward(g_loss if k == 1 else g_loss / k)
                 g_losses.append(g_loss.detach())
             self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
@@ -337,6 +384,25 @@ class GAN(Recipe):
             opt_g.step()
             opt_g.zero_grad(set_to_none=True)
         self.step_lr_schedule(opt_g, g_steps)
+        if d_steps:
+            self._d_step_noise = []
+
+    def generator_steps_after(self, batch_idx: int) -> bool:
+        """Whether G steps after training batch ``batch_idx``: after D's n_critic-th step of a group (``last``), or
+        its first (``first``); D's steps counted from the epoch's start, k micro-batches each."""
+        k = self.accumulate_grad_batches
+        if (batch_idx + 1) % k:
+            return False
+        d_step = (batch_idx + 1) // k - 1  # the D step this batch ends, from 0
+        return (d_step + 1) % self.n_critic == 0 if self.g_step_after == "last" else d_step % self.n_critic == 0
+
+    def generator_output(self, micro: int, n: int) -> torch.Tensor:
+        """G's samples for micro-batch ``micro`` of its step: on fresh noise, or (``same_z``) on D's micro-batch's."""
+        if self.g_input == "same_z":
+            z = self._d_step_noise[micro]
+        else:
+            z, _ = self.noise(n)
+        return synced(self, "generator")(z)
 
     # --- validation: losses and mode coverage on a fixed evaluation noise -----------------------
 

@@ -107,16 +107,23 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, recipe):
             assert scaling["lr"] == pytest.approx(0.1)
 
 
-def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path):
+@pytest.mark.parametrize(
+    ("g_input", "g_step_after", "k"), [("fresh", "last", 2), ("same_z", "first", 2), ("same_fakes", "last", 1)]
+)
+def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path, g_input, g_step_after, k):
     """The GAN's discriminator and generator steps on 2 ranks × b equal 1 rank × 2b, with the
     manual accumulation helper (k=2): one all-reduce per optimizer step, and no
-    find_unused_parameters (each backward reaches only its own network's DDP wrapper)."""
+    find_unused_parameters (each backward reaches only its own network's DDP wrapper). Whatever G runs on:
+    fresh noise, D's noise again (same_z: each micro-batch's), or the very fakes D scored (same_fakes: G's
+    forward through its wrapper before D's step, its backward at G's step)."""
     common = (
         "recipe=gan",
         "data.shuffle=false",
         "model.n_plot_samples=0",
         "model.n_critic=2",
-        "model.accumulate_grad_batches=2",
+        f"model.accumulate_grad_batches={k}",
+        f"model.g_input={g_input}",
+        f"model.g_step_after={g_step_after}",
         "optimizer@model.d_optimizer=sgd",
         "optimizer@model.g_optimizer=sgd",
         "model.d_optimizer.lr=0.05",

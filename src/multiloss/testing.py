@@ -33,7 +33,6 @@ work on a copy of the network and return ``{prefix + parameter name: gradient}``
 from __future__ import annotations
 
 import copy
-import math
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -395,7 +394,7 @@ def gan_noise(seed: int, n: int, latent_dim: int, draws: int = 1) -> list[tuple[
     out = []
     for _ in range(draws):
         rows = torch.randn(n, latent_dim + 1, generator=gen)
-        out.append((rows[:, :latent_dim], 0.5 * (1 + torch.erf(rows[:, latent_dim:] / math.sqrt(2)))))
+        out.append((rows[:, :latent_dim], torch.special.ndtr(rows[:, latent_dim:])))  # Φ, as the recipe computes it
     return out
 
 

@@ -1,0 +1,221 @@
+"""The canonical GAN loops, reproduced by config: DCGAN, PyTorch-GAN's WGAN-GP and the WGAN-GP paper's Algorithm 1.
+
+Each script's networks and loop are written out in plain PyTorch (`tests.recipes.gan_references`, which names
+the upstream file, commit and lines). The recipe trains the same networks — brought in as a user would, a
+``generator/`` and a ``discriminator/`` option in a config dir of theirs — on the same images in the same
+order, from the same initial weights, with the same noise (the recipe's documented stream,
+`multiloss.testing.gan_noise`, fed to the script's loop), for 3 epochs. Then every weight and every BatchNorm
+buffer (running statistics, ``num_batches_tracked``) must agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from multiloss import testing, train
+from multiloss.config import ConfigError
+from tests.conftest import load_weights
+from tests.recipes import gan_references as ref
+
+N, BATCH, EPOCHS, NZ, LR, SEED = 64, 8, 3, 8, 2e-4, 0
+
+
+def _images(size: int) -> torch.Tensor:
+    """The first N digits upsampled to ``size``×``size``, in [-1, 1] (the scripts' Normalize(0.5, 0.5))."""
+    digits = torch.from_numpy(load_digits().images[:N]).float() / 16.0
+    return (digits.repeat_interleave(size // 8, 1).repeat_interleave(size // 8, 2) * 2 - 1).unsqueeze(1)
+
+
+def _in_training_order(images: torch.Tensor) -> torch.Tensor:
+    """The order ``data=npz data.shuffle=false`` serves them in: the split's fixed permutation (split_seed 0)."""
+    return images[torch.from_numpy(np.random.default_rng(0).permutation(len(images)))]
+
+
+def _user_dir(root: Path, generator: str, discriminator: str, **args: object) -> Path:
+    """A user's config dir with the two networks as options (``generator=port``, ``discriminator=port``)."""
+    arguments = "".join(f"{k}: {v}\n" for k, v in args.items())
+    for group, target in (("generator", generator), ("discriminator", discriminator)):
+        (root / group).mkdir(parents=True, exist_ok=True)
+        keys = {"generator": ("nz", "ngf", "nc", "latent_dim", "img_size"), "discriminator": ("ndf", "nc", "img_size")}
+        own = "".join(line for line in arguments.splitlines(keepends=True) if line.split(":")[0] in keys[group])
+        (root / group / "port.yaml").write_text(f"# @package model.{group}\n_target_: {target}\n{own}")
+    return root
+
+
+def _overrides(images: Path, *extra: str) -> tuple[str, ...]:
+    return (
+        "recipe=gan",
+        "generator=port",
+        "discriminator=port",
+        "data=npz",
+        f"data.path={images}",
+        "data.val_fraction=0",
+        "data.shuffle=false",
+        f"data.batch_size={BATCH}",
+        "trainer=cpu",
+        f"trainer.max_epochs={EPOCHS}",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        f"model.latent_dim={NZ}",
+        "model.n_plot_samples=0",
+        "scheduler=constant",
+        "optimizer@model.g_optimizer=adam",
+        "optimizer@model.d_optimizer=adam",
+        f"model.g_optimizer.lr={LR}",
+        f"model.d_optimizer.lr={LR}",
+        "model.g_optimizer.betas=[0.5,0.999]",
+        "model.d_optimizer.betas=[0.5,0.999]",
+        f"seed={SEED}",
+        "~callbacks.loss_curves",
+        *extra,
+    )
+
+
+def _assert_same_state(
+    recipe_state: dict[str, torch.Tensor], net: torch.nn.Module, prefix: str, tolerance: float = 1e-5
+) -> None:
+    for name, value in net.state_dict().items():
+        got = recipe_state[f"{prefix}.{name}"]
+        if value.is_floating_point():
+            worst = (got - value).abs().max().item()
+            assert worst <= tolerance, f"{prefix}.{name} differs by {worst:.3g}"
+        else:
+            assert torch.equal(got, value), f"{prefix}.{name}: {got} vs {value} (num_batches_tracked)"
+
+
+def _initial(make_cfg, overrides: tuple[str, ...], config_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The recipe's networks as `train` builds them (seeded): the scripts start from these weights."""
+    _, module = testing.build(testing.compose(*overrides, config_dir=str(config_dir)))
+    return copy.deepcopy(module.generator), copy.deepcopy(module.discriminator)
+
+
+def test_dcgan_by_config_is_the_dcgan_loop(tmp_path, make_cfg):
+    """DCGAN: G runs once a batch, D's fake loss on ``fake.detach()``, G's loss through the same ``fake``.
+
+    The script's discriminator ends in a Sigmoid and its loss is BCELoss; the recipe takes logits. The
+    same function in two roundings: after one epoch the script's own arithmetic is 2e-7 from the recipe,
+    and a GAN trained with Adam turns last-bit differences into ~1e-3 within 24 steps (Adam moves a
+    weight by ~lr whatever its gradient's size, and a BatchNorm layer's preceding gradients are noise).
+    So over 3 epochs the loop's loss is written on the logits, the recipe's way, and must agree exactly.
+    """
+    images = _images(64)
+    np.savez(tmp_path / "images.npz", x=images.numpy())
+    config_dir = _user_dir(
+        tmp_path / "configs",
+        "tests.recipes.gan_references.DCGANGenerator",
+        "tests.recipes.gan_references.DCGANDiscriminator",
+        nz=NZ,
+        ngf=8,
+        ndf=8,
+        nc=1,
+    )
+    dcgan = (
+        "model.loss=nonsaturating",
+        "model.gp_weight=0",
+        "model.n_critic=1",
+        "model.g_input=same_fakes",
+    )
+    images = _in_training_order(images)
+    for epochs in (1, EPOCHS):
+        overrides = _overrides(tmp_path / "images.npz", *dcgan, f"trainer.max_epochs={epochs}")
+        net_g, net_d = _initial(make_cfg, overrides, config_dir)
+        if epochs == 1:  # the script's own: Sigmoid, BCELoss
+            net_d, logits = ref.DCGANDiscriminator(ndf=8, nc=1, sigmoid=True), net_d
+            net_d.load_state_dict(logits.state_dict())
+        batches = [images[i : i + BATCH] for _ in range(epochs) for i in range(0, N, BATCH)]
+        noise = iter(z for z, _ in testing.gan_noise(SEED, BATCH, NZ, draws=len(batches)))  # one draw an iteration
+        ref.dcgan_loop(net_g, net_d, batches, noise, LR, criterion=None if epochs == 1 else ref.bce_on_logits)
+
+        out = tmp_path / f"run{epochs}"
+        train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=out))
+        state = load_weights(out / "checkpoints/last.ckpt")
+        tolerance = 1e-6 if epochs == 1 else 1e-5
+        _assert_same_state(state, net_g, "generator", tolerance)  # running statistics included: one G forward a batch
+        _assert_same_state(state, net_d, "discriminator", tolerance)  # three D forwards: real, fake, and G's loss
+        assert int(state["generator.main.1.num_batches_tracked"]) == len(batches)
+
+
+def _wgan_setup(tmp_path: Path, *options: str) -> tuple[torch.Tensor, tuple[str, ...], Path]:
+    images = _images(16)
+    np.savez(tmp_path / "images.npz", x=images.numpy())
+    config_dir = _user_dir(
+        tmp_path / "configs",
+        "tests.recipes.gan_references.WGANGenerator",
+        "tests.recipes.gan_references.WGANCritic",
+        latent_dim=NZ,
+        img_size=16,
+    )
+    return images, _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.gp_weight=10", *options), config_dir
+
+
+def test_pytorch_gans_wgan_gp_by_config_is_its_loop(tmp_path, make_cfg):
+    images, overrides, config_dir = _wgan_setup(
+        tmp_path, "model.n_critic=5", "model.g_input=same_z", "model.g_step_after=first"
+    )
+    generator, critic = _initial(make_cfg, overrides, config_dir)
+    images = _in_training_order(images)
+    epochs = [[images[i : i + BATCH] for i in range(0, N, BATCH)] for _ in range(EPOCHS)]
+    noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=EPOCHS * N // BATCH))  # one (z, ε) a batch: G reuses z
+    ref.pytorch_gan_wgan_gp_loop(generator, critic, epochs, noise, LR, n_critic=5, lambda_gp=10)
+
+    out = tmp_path / "run"
+    train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=out))
+    state = load_weights(out / "checkpoints/last.ckpt")
+    _assert_same_state(state, generator, "generator")  # its BatchNorm1d ran twice on the batches G stepped on
+    _assert_same_state(state, critic, "discriminator")
+    # G stepped at batches 0 and 5 of each 8-batch epoch: 2 of every 8, where the paper's order gives 1.
+    assert int(state["generator.model.3.num_batches_tracked"]) == EPOCHS * (8 + 2)
+
+
+def test_the_default_step_is_the_wgan_gp_papers_algorithm_1(tmp_path, make_cfg):
+    images, overrides, config_dir = _wgan_setup(tmp_path, "model.n_critic=2")  # g_input=fresh, g_step_after=last
+    generator, critic = _initial(make_cfg, overrides, config_dir)
+    images = _in_training_order(images)
+    batches = [images[i : i + BATCH] for _ in range(EPOCHS) for i in range(0, N, BATCH)]
+    # A critic draw each batch, and a generator draw after every second one: the recipe's order of draws.
+    noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=len(batches) * 3 // 2))
+    ref.wgan_gp_algorithm_1(generator, critic, batches, noise, LR, n_critic=2, lambda_gp=10)
+
+    out = tmp_path / "run"
+    train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=out))
+    state = load_weights(out / "checkpoints/last.ckpt")
+    _assert_same_state(state, generator, "generator")
+    _assert_same_state(state, critic, "discriminator")
+
+
+def test_a_batch_norm_critic_with_a_penalty_is_refused_in_one_line(tmp_path, make_cfg):
+    images = _images(64)
+    np.savez(tmp_path / "images.npz", x=images.numpy())
+    config_dir = _user_dir(
+        tmp_path / "configs",
+        "tests.recipes.gan_references.DCGANGenerator",
+        "tests.recipes.gan_references.DCGANDiscriminator",
+        nz=NZ,
+        ngf=8,
+        ndf=8,
+        nc=1,
+    )
+    overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.gp_weight=10")
+    with pytest.raises(ConfigError, match="needs each sample's own gradient") as err:
+        train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=tmp_path / "run"))
+    assert err.value.key == "model.discriminator" and "main.3" in err.value.problem
+    assert "\n" not in err.value.problem and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_same_fakes_with_accumulation_is_refused_naming_both_keys(make_cfg, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", "model.g_input=same_fakes", "model.accumulate_grad_batches=2"))
+    assert err.value.key == "model.g_input" and "model.accumulate_grad_batches" in err.value.accepted
+
+
+@pytest.mark.parametrize(("after", "expected"), [("last", [2, 5, 8, 11]), ("first", [0, 3, 6, 9])])
+def test_which_batches_the_generator_steps_after(make_cfg, after, expected):
+    """n_critic=3, k=1: after the 3rd critic step of each group (the paper), or after the 1st (PyTorch-GAN)."""
+    _, module = testing.build(make_cfg("recipe=gan", "model.n_critic=3", f"model.g_step_after={after}"))
+    assert [b for b in range(12) if module.generator_steps_after(b)] == expected
