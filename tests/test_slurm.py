@@ -44,10 +44,11 @@ def _script(*overrides: str, tasks: int = 2, out: Path) -> str:
         f"#SBATCH --nodes=1 --ntasks-per-node={tasks} --cpus-per-task=1\n"
         f"#SBATCH --output={out}/slurm-%j.out --open-mode=append\n"
         "export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
-        # Lightning's SLURM port is 15000 + the job id, the same for a requeued attempt: this cluster restarts
-        # one after 10 s (cred_expire), while the last attempt's port may sit in TIME_WAIT for 60 s (a real
-        # cluster waits 120 s). Each attempt its own port.
-        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 1000 * 10 + ${SLURM_RESTART_COUNT:-0}))\n"
+        # Lightning's SLURM port is 15000 + the job id, the same for a requeued attempt, which this cluster
+        # restarts after 10 s (cred_expire; a real one waits 120 s): seen in use then (EADDRINUSE, and rank 1
+        # waiting for a rank 0 that had exited). Each attempt a port the kernel says is free.
+        f"export MASTER_PORT=$({sys.executable} -c "
+        "'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')\n"
         f"srun {sys.executable} {ROOT / 'train.py'} {args}\n"
     )
 
