@@ -222,6 +222,17 @@ class GAN(Recipe):
         self.mode_coverage: ModeCoverage | None = None  # made by the component check when the data has modes
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
 
+    def check_sharding(self, trainer: L.Trainer) -> None:
+        super().check_sharding(trainer)
+        require(
+            self.gp_weight == 0,
+            "gp_weight",
+            self.gp_weight,
+            "0 under sharded training (model.loss=nonsaturating), or trainer=ddp / ddp_cpu for the penalty",
+            "FSDP2 cannot differentiate the penalty's gradient through a sharded critic (torch 2.13: the first "
+            "backward reshards the weights the second needs; kept unsharded, their gradients never arrive)",
+        )
+
     def not_compilable(self, name: str) -> str:
         if name == "discriminator" and self.gp_weight > 0:
             return "the gradient penalty differentiates its gradient, a double backward torch.compile does not support"

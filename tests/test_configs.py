@@ -21,7 +21,7 @@ GROUP_FILES = sorted(
     if p.parent != CONFIG_DIR and p.parent.name != "local" and p.parts[-3:-1] != ("hydra", "launcher")
 )
 # Options that need something this machine lacks (asked of the machine), and the error that says so.
-NEEDS_GPU = set() if torch.cuda.is_available() else {"trainer/gpu.yaml", "trainer/ddp.yaml"}
+NEEDS_GPU = set() if torch.cuda.is_available() else {"trainer/gpu.yaml", "trainer/ddp.yaml", "trainer/fsdp.yaml"}
 # Component options, composed with the recipe whose contract they meet.
 RECIPE_OF = {
     "net/deep_mlp.yaml": "multihead",

@@ -23,6 +23,7 @@ from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
 from multiloss.distributed import HydraJobLauncher, multiloss_ddp
 from multiloss.module import Recipe
+from multiloss.sharding import FSDPStrategy
 
 
 def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
@@ -36,6 +37,8 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
     # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
     if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
         trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
+        internals.use_launcher(trainer.strategy, HydraJobLauncher)
+    if isinstance(trainer.strategy, FSDPStrategy):
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
     internals.resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
     return trainer

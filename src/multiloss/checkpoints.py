@@ -144,6 +144,33 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
     return checkpoint
 
 
+META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors (Lightning's ModelParallelStrategy writes it)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint: a directory of ``.distcp`` shards, their ``.metadata`` and meta.pt."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint dict: meta.pt's entries, the whole ``state_dict`` and each
+    optimizer's whole state (``optimizer_states``: keyed by parameter name, as the sharded checkpoint keeps them).
+
+    Read by torch's ``dcp_to_torch_save`` (Lightning's own ``consolidate_checkpoint`` fails on these: KeyError
+    'model'); everything loads with ``weights_only=True``.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        tensors = torch.load(whole, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(path / META, map_location="cpu", weights_only=True) if (path / META).is_file() else {}
+    optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    return {**checkpoint, "state_dict": tensors["state_dict"], "optimizer_states": [tensors[k] for k in optimizers]}
+
+
 def mid_epoch(checkpoint: dict[str, Any]) -> bool:
     """Whether ``checkpoint`` was saved inside a training epoch (a resume continues that epoch's batches)."""
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})

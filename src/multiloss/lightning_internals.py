@@ -205,6 +205,15 @@ def use_launcher(strategy: DDPStrategy, launcher_class: type[ScriptLauncher]) ->
         strategy._launcher = launcher_class(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
 
+def use_data_parallel_world(strategy: Any) -> None:
+    """Make a `ModelParallelStrategy` shard over every rank, no tensor parallelism (its ``"auto"`` sizes are the
+    nodes and the devices of one node: ``_data_parallel_size``, ``_tensor_parallel_size``)."""
+    if strategy._data_parallel_size == "auto":
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+    if strategy._tensor_parallel_size == "auto":
+        strategy._tensor_parallel_size = 1
+
+
 # --- torch's GradScaler (16-mixed) ------------------------------------------------------------------------
 
 
@@ -261,6 +270,8 @@ READS = (
     "lightning.pytorch.strategies.ddp:DDPStrategy._setup_model",
     "lightning.pytorch.strategies.ddp:DDPStrategy._get_process_group_backend",
     "lightning.pytorch.strategies.strategy:Strategy()._launcher",
+    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._data_parallel_size",
+    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._tensor_parallel_size",
     "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
     "lightning.pytorch.strategies.launchers.subprocess_script:_hydra_subprocess_cmd",
     "torch.distributed.distributed_c10d:_get_default_store",

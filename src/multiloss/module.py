@@ -23,7 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from multiloss import lightning_internals as internals
-from multiloss import precision
+from multiloss import precision, sharding
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
 from multiloss.components import OptimizerFactory, compile_in_place, name_of, to_plain
@@ -91,6 +91,7 @@ class Recipe(L.LightningModule):
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         scheduler: Any = None,
         compile: bool = False,
+        fsdp: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         require(
@@ -116,6 +117,9 @@ class Recipe(L.LightningModule):
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.scheduler_spec = to_plain(scheduler)
         self.compile_components = bool(compile)
+        self.fsdp = {"shard": None, "checkpoint": [], **to_plain(fsdp or {})}
+        unknown = sorted(set(self.fsdp) - {"shard", "checkpoint"})
+        require(not unknown, f"fsdp.{unknown[0] if unknown else ''}", self.fsdp, "shard and checkpoint", "unknown key")
         self.optimizer_factory: OptimizerFactory | None = None
         self.rate_plans: dict[str, RatePlan] = {}  # per optimizer config key, in configure_optimizers' order
         self.training_log = TrainingLog()  # training values between log rows; the non-finite guard reads it
@@ -123,6 +127,7 @@ class Recipe(L.LightningModule):
         self._log_names: dict[tuple[str, ...], tuple[str, ...]] = {}  # (prefix, *names) -> logged names
         self._rate_names: tuple[str, ...] | None = None  # the learning-rate columns, named as Lightning names them
         self._components_checked = False
+        self._sharded = False  # configure_model has sharded the components (FSDP2)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
@@ -171,6 +176,11 @@ class Recipe(L.LightningModule):
                     "Lightning cannot apply it under manual optimization",
                 )
 
+    def check_sharding(self, trainer: L.Trainer) -> None:
+        """Refuse what sharded training (FSDP2) cannot do with this recipe's settings (`multiloss.train` asks before
+        any process starts)."""
+        sharding.check_sharded_run(trainer.precision, trainer.accelerator.__class__.__name__)
+
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.accumulates_batches:
             # Lightning's loop then counts optimizer steps as this recipe takes them: its logging step,
@@ -187,8 +197,25 @@ class Recipe(L.LightningModule):
 
     def configure_model(self) -> None:
         # Lightning's hook for building or wrapping the model once per fit, before the first step.
+        trainer = self.attached_trainer
+        if trainer is not None and sharding.is_sharded(trainer.strategy) and not self._sharded:
+            sharding.shard_components(
+                self,
+                self.components,
+                self.device_mesh["data_parallel"],
+                shard=self.fsdp["shard"],
+                checkpoint=self.fsdp["checkpoint"],
+                mp_policy=sharding.mixed_precision_policy(trainer),
+            )
+            self._sharded = True
         if self.compile_components:
             compile_in_place(self, self.components, self.not_compilable)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        # FSDP2 reduces the gradients of the parameters it shards; any other (a balancer's) is averaged here,
+        # as DDP would have averaged it.
+        if self._sharded:
+            sharding.average_unsharded_gradients(self, self.mean_over_ranks)
 
     def run_component_check(self, batch: Any) -> None:
         run_check(self, self.check_components, batch)

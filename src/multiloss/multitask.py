@@ -15,10 +15,12 @@ from typing import Any, ClassVar
 
 import lightning as L
 import torch
+from hydra.utils import get_object
 from torch import nn
 
 from multiloss.balancers import Balanced, Balancer, Fixed, balance, save_balancer_state
 from multiloss.components import build_module, to_plain
+from multiloss.config import require
 from multiloss.module import Recipe
 
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names a checkpoint's balancer was built for
@@ -48,6 +50,27 @@ class MultiTaskRecipe(Recipe):
         self.register_module("balancer", None)  # its place, first among the modules: made by set_tasks
         self.balancer: Balancer | None
         self._observers: list[TaskLossObserver] | None = None
+
+    def check_sharding(self, trainer: L.Trainer) -> None:
+        super().check_sharding(trainer)
+        target = (self.balancer_spec or {}).get("_target_")
+        require(
+            target is None or not getattr(get_object(target), "combines_gradients", False),
+            "balancer._target_",
+            target,
+            "a balancer that weighs the losses (fixed, uncertainty, dwa) under sharded training, or trainer=ddp / "
+            "ddp_cpu for PCGrad, GradNorm, UPGrad and MGDA",
+            "it combines the tasks' gradients, which autograd.grad does not return for sharded parameters",
+        )
+        observers = [type(c).__name__ for c in trainer.callbacks if isinstance(c, TaskLossObserver)]
+        require(
+            not observers,
+            "monitor",
+            observers,
+            "none under sharded training (monitor=none), or trainer=ddp / ddp_cpu",
+            "the tasks' gradient cosines need each task's gradient, which autograd.grad does not return for "
+            "sharded parameters",
+        )
 
     def configured_weights(self, names: list[str]) -> list[float]:
         """The configured weight of each task (``model.head_weights``, ``model.tasks.<name>.weight``)."""

@@ -9,8 +9,10 @@ from multiloss.builders import build_data_and_model, build_trainer, error_from_l
 from multiloss.callbacks.run_record import BATCHES_KEY, RunRecord
 from multiloss.checkpoints import verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
+from multiloss.module import Recipe
 from multiloss.pitfalls import explain
 from multiloss.run_dir import resume_from
+from multiloss.sharding import is_sharded
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -24,6 +26,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train")
     record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
+    if isinstance(model, Recipe) and is_sharded(trainer.strategy):
+        model.check_sharding(trainer)  # what FSDP2 cannot do, before its processes start
     if cfg.get("ckpt_path"):
         checkpoint = verify_checkpoint(cfg.ckpt_path, model)
         verify_position(

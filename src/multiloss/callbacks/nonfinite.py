@@ -28,6 +28,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 
 from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
@@ -116,13 +117,21 @@ class NonFiniteGuard(LeanCallback):
 
 
 def nonfinite_weights(module: torch.nn.Module) -> list[str]:
-    """The names of ``module``'s floating-point parameters holding a NaN or inf (one fused pass, one host read)."""
+    """The names of ``module``'s floating-point parameters holding a NaN or inf (one fused pass, one host read).
+
+    Sharded parameters (FSDP2) are judged shard by shard, the ranks' verdicts combined (a collective): every rank
+    names the same ones.
+    """
     named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point() and p.numel()]
     if not named:
         return []
-    norms = torch._foreach_norm([p.detach() for _, p in named])
-    finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
-    return [name for (name, _), ok in zip(named, finite) if not ok]
+    local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
+    norms = torch._foreach_norm([t.detach() for t in local])
+    bad = torch.stack([n.float() for n in norms]).isfinite().logical_not()
+    if any(isinstance(p, DTensor) for _, p in named):
+        bad = bad.int()
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return [name for (name, _), is_bad in zip(named, bad.tolist()) if is_bad]
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str | None:

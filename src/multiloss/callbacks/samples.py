@@ -1,9 +1,10 @@
 """What a generative recipe produces, written into the run dir at every epoch end: pictures (gan) and text (tbptt).
 
-Rank zero draws from the model with its own ``torch.Generator`` seeded the same way every epoch: the
-epochs' samples are comparable, they depend on the weights only, and the global random stream that
-training draws from is left exactly where it was (so exact resume holds). Each file's header names
-the epoch and the step (`multiloss.module.Recipe.step_index`, the ``step`` of metrics.csv).
+Rank zero draws from the model (every rank, when the networks are sharded: their forward gathers the
+shards) with its own ``torch.Generator`` seeded the same way every epoch: the epochs' samples are
+comparable, they depend on the weights only, and the global random stream that training draws from is
+left exactly where it was (so exact resume holds). Each file's header names the epoch and the step
+(`multiloss.module.Recipe.step_index`, the ``step`` of metrics.csv).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 
 from multiloss.lean_callback import LeanCallback
+from multiloss.sharding import full, is_sharded
 
 
 class GeneratedSamplesPlot(LeanCallback):
@@ -30,16 +31,19 @@ class GeneratedSamplesPlot(LeanCallback):
     def __init__(self, n_samples: int = 1000, seed: int = 0) -> None:
         self.n_samples, self.seed = n_samples, seed
 
-    @rank_zero_only
     @torch.no_grad()
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not _draws_here(trainer):
+            return
+        z = torch.randn(self.n_samples, pl_module.latent_dim, generator=torch.Generator().manual_seed(self.seed))
+        fake = full(pl_module.generator(z.to(pl_module.device))).float().cpu()
+        if not trainer.is_global_zero:
+            return
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        z = torch.randn(self.n_samples, pl_module.latent_dim, generator=torch.Generator().manual_seed(self.seed))
-        fake = pl_module.generator(z.to(pl_module.device)).float().cpu()
         images = as_images(fake)
         if fake[0].numel() == 2:
             fake = fake.reshape(len(fake), 2).numpy()
@@ -76,10 +80,13 @@ class TextSamples(LeanCallback):
     def __init__(self, prompt: str, length: int, temperature: float, seed: int = 0, metric: str = "val/bpc") -> None:
         self.prompt, self.length, self.temperature, self.seed, self.metric = prompt, length, temperature, seed, metric
 
-    @rank_zero_only
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not _draws_here(trainer):
+            return
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
         text = pl_module.generate(self.prompt, self.length, self.temperature, generator)
+        if not trainer.is_global_zero:
+            return
         score = trainer.callback_metrics.get(self.metric)
         header = f"# epoch {trainer.current_epoch}, step {pl_module.step_index}" + (
             f", {self.metric} {float(score):.4f}" if score is not None else ""
@@ -87,6 +94,11 @@ class TextSamples(LeanCallback):
         path = _epoch_file(trainer, "txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{header}\n{text}\n", encoding="utf-8")
+
+
+def _draws_here(trainer: L.Trainer) -> bool:
+    """Rank zero draws the samples; every rank does when the networks are sharded (their forward gathers shards)."""
+    return trainer.is_global_zero or is_sharded(trainer.strategy)
 
 
 def _epoch_file(trainer: L.Trainer, suffix: str) -> Path:

@@ -1,0 +1,183 @@
+"""Sharded training (FSDP2): every network of a recipe sharded on its own over the data-parallel ranks.
+
+``trainer=fsdp_cpu`` (2 processes, gloo, fp32) and ``trainer=fsdp`` (every GPU, NCCL) run a recipe on
+`FSDPStrategy`, Lightning's `ModelParallelStrategy` (FSDP2, ``torch.distributed.fsdp.fully_shard``) with
+all ranks data-parallel. Lightning's `FSDPStrategy` (FSDP1) is not the path: it cannot run manual
+optimization, and every recipe runs under it.
+
+What a recipe's networks become (`shard_components`, from ``Recipe.configure_model``): each component
+(``net``; the GAN's ``generator`` and ``discriminator``) is sharded on its own, so a GAN's two optimizers
+each hold their own network's shards. Inside a component the units sharded together are chosen by
+``model.fsdp.shard``: class names or name patterns (``fnmatch``) of its modules; null — each child
+module that has parameters — then the component's root, as torchtitan wraps blocks. ``model.fsdp.
+checkpoint`` names module classes whose forward is recomputed in the backward instead of kept
+(activation checkpointing, ``torch.utils.checkpoint``). On GPUs a bf16 ``trainer.precision`` gives FSDP2's
+mixed precision: bf16 parameters in the forward and backward, fp32 gradient reduction and optimizer step.
+
+What the step needs of the strategy: micro-batches that do not step skip the reduce-scatter
+(``set_requires_gradient_sync(False)``, FSDP2's ``no_sync``), and parameters outside every sharded
+unit (a balancer's) have their gradients averaged over the ranks before each optimizer step, as DDP
+would.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from multiloss import lightning_internals as internals
+from multiloss.config import ConfigError, require
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Lightning's `ModelParallelStrategy` (all its arguments) with every rank data-parallel (FSDP2 alone, no tensor
+    parallelism), Hydra-job-aware child launching, and the no-sync block of the micro-batches that do not step."""
+
+    strategy_name = "multiloss_fsdp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(**kwargs)
+
+    def setup_environment(self) -> None:
+        internals.use_data_parallel_world(self)  # data_parallel_size: all ranks (Lightning's "auto": the nodes)
+        super().setup_environment()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """FSDP2's no_sync: the sharded modules keep this backward's gradients unreduced (accumulated)."""
+        units = [m for m in self.lightning_module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if (finish := getattr(self.launcher, "finish", None)) is not None:  # multiloss's Hydra-job launcher
+            finish()
+
+
+def is_sharded(strategy: Any) -> bool:
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def shard_components(
+    module: nn.Module,
+    names: Sequence[str],
+    mesh: Any,
+    shard: Sequence[str] | None = None,
+    checkpoint: Sequence[str] = (),
+    mp_policy: Any = None,
+) -> None:
+    """``fully_shard`` each component of ``module`` named in ``names`` on its own: the units ``shard`` picks (class
+    names or fnmatch patterns of module names; None: each child with parameters), then the component's root."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {})}
+    for name in names:
+        component = getattr(module, name)
+        _checkpoint_activations(component, checkpoint, f"model.fsdp.checkpoint ({name})")
+        units = _units(component, shard)
+        require(
+            shard is None or units,
+            "model.fsdp.shard",
+            list(shard or []),
+            f"class names or name patterns of model.{name}'s modules: {_module_names(component)}",
+            "it matches none of them",
+        )
+        for unit in units:  # innermost first: a unit inside another is sharded before it
+            fully_shard(unit, **kwargs)
+        fully_shard(component, **kwargs)
+
+
+def _units(component: nn.Module, shard: Sequence[str] | None) -> list[nn.Module]:
+    if shard is None:
+        return list(_children_with_parameters(component))
+    picked = [
+        m
+        for name, m in component.named_modules()
+        if name and any(type(m).__name__ == p or fnmatch.fnmatchcase(name, p) for p in shard)
+    ]
+    depth = {id(m): name.count(".") for name, m in component.named_modules()}
+    return sorted(picked, key=lambda m: -depth[id(m)])
+
+
+def _children_with_parameters(module: nn.Module) -> Iterable[nn.Module]:
+    """Each child that has parameters; a container without a forward (ModuleList, ModuleDict) gives its own."""
+    for child in module.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            yield from _children_with_parameters(child)
+        elif any(True for _ in child.parameters()):
+            yield child
+
+
+def _module_names(component: nn.Module) -> str:
+    names = [name for name, _ in component.named_modules() if name]
+    classes = sorted({type(m).__name__ for _, m in component.named_modules()})
+    return ", ".join(names[:6] + classes[:6])
+
+
+def _checkpoint_activations(component: nn.Module, classes: Iterable[str], key: str) -> None:
+    """Recompute the forward of each module of one of ``classes`` in the backward (non-reentrant checkpointing)."""
+    classes = set(classes)
+    if not classes:
+        return
+    found = [m for m in component.modules() if type(m).__name__ in classes]
+    require(bool(found), key, sorted(classes), "class names of the component's modules", "none of its modules")
+    for m in found:
+        m.forward = functools.partial(_checkpointed, m.forward)
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def average_unsharded_gradients(module: nn.Module, reduce: Any) -> None:
+    """Average over the ranks the gradients of ``module``'s parameters that no sharded unit owns (FSDP2 leaves them
+    alone; DDP would have averaged them): a balancer's weights. One collective a tensor; nothing if there are none."""
+    for param in module.parameters():
+        if param.grad is not None and not isinstance(param, DTensor):
+            param.grad.copy_(reduce(param.grad))
+
+
+def mixed_precision_policy(trainer: Any) -> Any:
+    """FSDP2's mixed precision for a bf16 ``trainer.precision``: bf16 parameters, fp32 gradient reduction."""
+    if "bf16" not in str(trainer.precision):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def check_sharded_run(precision: str, accelerator: str) -> None:
+    """Refuse a precision gloo cannot reduce (bf16 collectives) on the CPU."""
+    if accelerator == "CPUAccelerator" and "bf16" in str(precision):
+        raise ConfigError(
+            "trainer.precision",
+            precision,
+            "32-true with trainer=fsdp_cpu (or trainer=fsdp on GPUs for bf16)",
+            "gloo, the CPU's backend, has no bf16 collectives for FSDP's reduce-scatter",
+        )
+
+
+def unsharded_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if not isinstance(p, DTensor)]
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's whole value (a collective), or the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
