@@ -226,9 +226,10 @@ class GAN(Recipe):
         super().check_sharding(trainer)
         require(
             self.gp_weight == 0,
-            "gp_weight",
+            "model.gp_weight",
             self.gp_weight,
-            "0 under sharded training (model.loss=nonsaturating), or trainer=ddp / ddp_cpu for the penalty",
+            "0 under trainer=fsdp / fsdp_cpu (e.g. model.loss=nonsaturating model.gp_weight=0), or trainer=ddp / "
+            "ddp_cpu to keep the penalty",
             "FSDP2 cannot differentiate the penalty's gradient through a sharded critic (torch 2.13: the first "
             "backward reshards the weights the second needs; kept unsharded, their gradients never arrive)",
         )

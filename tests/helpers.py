@@ -46,6 +46,39 @@ class AllReduceCounter(L.Callback):
         path.write_text(json.dumps({"allreduces": self.allreduces, "optimizer_steps": self.steps}))
 
 
+class ReduceScatterCounter(L.Callback):
+    """Counts FSDP2's gradient reduce-scatters (one a sharded unit a backward that syncs) and the optimizer steps.
+
+    Writes ``reducescatter_rank<r>.json`` (reduces, optimizer steps, sharded units) into ``dirpath`` at the end.
+    Wraps torch's ``foreach_reduce``, what each FSDP2 parameter group calls to reduce-scatter its gradients.
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath, self.reduces, self.steps = dirpath, 0, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        self.units = sum(
+            1 for m in pl_module.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group
+        )
+        original = group.foreach_reduce
+
+        def counted(*args, **kwargs):
+            self.reduces += 1
+            return original(*args, **kwargs)
+
+        group.foreach_reduce = counted
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.steps += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        counts = {"reduces": self.reduces, "optimizer_steps": self.steps, "units": self.units}
+        (Path(self.dirpath) / f"reducescatter_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
+
+
 def straight_and_resumed(
     make_cfg: Callable, tmp_path: Path, common: Iterable[str], stop: str, end: str
 ) -> tuple[Path, Path, Path]:

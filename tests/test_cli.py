@@ -97,7 +97,7 @@ BAD_INPUTS = [
     ("recipe=nope", ["recipe/nope", "multihead"]),  # unknown recipe, with the available ones
     # Hydra logs its own error line while looking it up: it must not reach the earlier run's train.log.
     ("model.optimizer._target_=torch.optim.Nope", ["model.optimizer._target_=torch.optim.Nope", "importable"]),
-    ("ckpt_path=/no/such.ckpt", ["ckpt_path", "/no/such.ckpt", "no such file"]),
+    ("ckpt_path=/no/such.ckpt", ["ckpt_path", "/no/such.ckpt", "no such checkpoint"]),
     (f"trainer.accelerator={MISSING}", ["trainer.accelerator", MISSING, "cpu"]),  # hardware this machine lacks
     ("trainer.max_steps=-5", ["trainer.max_steps=-5", "non-negative"]),  # Lightning's own check
     # Lightning's check against the data, inside fit: still before anything is written.

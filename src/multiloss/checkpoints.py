@@ -28,8 +28,9 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
-from multiloss.config import ConfigError
+from multiloss.config import ConfigError, require
 from multiloss.module import Recipe
+from multiloss.run_dir import is_sharded_checkpoint
 
 
 class CheckpointWriteError(RuntimeError):
@@ -67,6 +68,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         # Tensors, numbers, strings and containers only: no code from a checkpoint ever runs.
+        if is_sharded_checkpoint(path):  # a sharded run's checkpoint, read whole by a single-device or DDP run
+            return read_sharded_checkpoint(path)
         return super().load_checkpoint(
             path, map_location=map_location or (lambda storage, loc: storage), weights_only=True
         )
@@ -91,38 +94,15 @@ def _fsync_dir(directory: Path) -> None:
 
 def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
     """Raise `ConfigError` (key ``ckpt_path``) unless ``path`` is an intact checkpoint of ``module``'s shape; its
-    contents (tensors on the CPU)."""
+    contents (tensors on the CPU; of a sharded checkpoint, everything but the tensors)."""
     path = str(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()  # reads every member, checks its CRC
-    except (zipfile.BadZipFile, OSError) as err:
-        raise ConfigError(
-            "ckpt_path", path, "a checkpoint file written by torch.save (a zip)", f"not a readable checkpoint: {err}"
-        ) from None
-    if damaged is not None:
-        raise ConfigError(
-            "ckpt_path", path, "an intact checkpoint", f"damaged: {damaged} fails its CRC check (a corrupted copy?)"
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ConfigError(
-            "ckpt_path", path, "a checkpoint of tensors and plain values", f"cannot load it: {err}"
-        ) from None
-    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise ConfigError("ckpt_path", path, "a Lightning checkpoint (with a state_dict)", "it has no state_dict")
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
+    checkpoint, shapes = _read_sharded(path) if is_sharded_checkpoint(path) else _read_whole(path)
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = [k for k in expected if k not in shapes]
     # Parts a module builds only once it has seen the data (multihead's balancer, sized by its heads).
     later = module.built_at_setup if isinstance(module, Recipe) else ()
-    unexpected = [k for k in state if k not in expected and not k.startswith(later)]
-    reshaped = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(v.shape)
-    ]
+    unexpected = [k for k in shapes if k not in expected and not k.startswith(later)]
+    reshaped = [f"{k} {shapes[k]} vs {v}" for k, v in expected.items() if shapes.get(k) is not None and shapes[k] != v]
     if missing or unexpected or reshaped:
         parts = []
         if missing:
@@ -144,17 +124,66 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
     return checkpoint
 
 
+def _read_whole(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] | None]]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # reads every member, checks its CRC
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ConfigError(
+            "ckpt_path", path, "a checkpoint file written by torch.save (a zip)", f"not a readable checkpoint: {err}"
+        ) from None
+    if damaged is not None:
+        raise ConfigError(
+            "ckpt_path", path, "an intact checkpoint", f"damaged: {damaged} fails its CRC check (a corrupted copy?)"
+        )
+    checkpoint = _load(path)
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ConfigError("ckpt_path", path, "a Lightning checkpoint (with a state_dict)", "it has no state_dict")
+    return checkpoint, {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in state.items()}
+
+
+def _read_sharded(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] | None]]:
+    """meta.pt's entries, and the whole shapes of the tensors the shards' metadata lists (no shard is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise ConfigError(
+            "ckpt_path", path, "a sharded checkpoint (.metadata and .distcp files)", f"cannot read it: {err}"
+        ) from None
+    shards = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    missing = sorted(shards - {p.name for p in Path(path).iterdir()})
+    if missing:
+        raise ConfigError("ckpt_path", path, "a whole sharded checkpoint", f"shard files missing: {missing[:3]}")
+    checkpoint = _load(str(Path(path) / META)) if (Path(path) / META).is_file() else {}
+    prefix = "state_dict."
+    shapes = {
+        k[len(prefix) :]: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and hasattr(v, "size")
+    }
+    return checkpoint, shapes
+
+
+def _load(path: str) -> dict[str, Any]:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError(
+            "ckpt_path", path, "a checkpoint of tensors and plain values", f"cannot load it: {err}"
+        ) from None
+    return checkpoint if isinstance(checkpoint, dict) else {}
+
+
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors (Lightning's ModelParallelStrategy writes it)
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded checkpoint: a directory of ``.distcp`` shards, their ``.metadata`` and meta.pt."""
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
-
-
 def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint as one Lightning checkpoint dict: meta.pt's entries, the whole ``state_dict`` and each
-    optimizer's whole state (``optimizer_states``: keyed by parameter name, as the sharded checkpoint keeps them).
+    """A sharded checkpoint as the one-file Lightning checkpoint DDP would have written: meta.pt's entries, the
+    whole ``state_dict`` and each optimizer's whole state, keyed by parameter index as ``Optimizer.state_dict``
+    keys it (the shards key it by parameter name).
 
     Read by torch's ``dcp_to_torch_save`` (Lightning's own ``consolidate_checkpoint`` fails on these: KeyError
     'model'); everything loads with ``weights_only=True``.
@@ -168,7 +197,34 @@ def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
         tensors = torch.load(whole, map_location="cpu", weights_only=True)
     checkpoint = torch.load(path / META, map_location="cpu", weights_only=True) if (path / META).is_file() else {}
     optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    return {**checkpoint, "state_dict": tensors["state_dict"], "optimizer_states": [tensors[k] for k in optimizers]}
+    return {
+        **checkpoint,
+        "state_dict": tensors["state_dict"],
+        "optimizer_states": [_indexed(tensors[k]) for k in optimizers],
+    }
+
+
+def _indexed(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (FSDP2's) keyed by index instead, in its groups' order."""
+    groups, by_name, index = [], state.get("state", {}), 0
+    indexed: dict[int, Any] = {}
+    for group in state["param_groups"]:
+        names = group["params"]
+        for i, name in enumerate(names, start=index):
+            if name in by_name:
+                indexed[i] = by_name[name]
+        groups.append({**group, "params": list(range(index, index + len(names)))})
+        index += len(names)
+    return {"state": indexed, "param_groups": groups}
+
+
+def consolidate(path: str | Path, out: str | Path) -> Path:
+    """Write the sharded checkpoint ``path`` as one file ``out`` (atomically; never over an existing file)."""
+    require(is_sharded_checkpoint(path), "checkpoint", str(path), "a sharded checkpoint (a directory with .metadata)")
+    out = Path(out)
+    require(not out.exists(), "out", str(out), "a path where nothing is yet", "it exists (never overwritten)")
+    AtomicCheckpointIO().save_checkpoint(read_sharded_checkpoint(path), out)
+    return out
 
 
 def mid_epoch(checkpoint: dict[str, Any]) -> bool:

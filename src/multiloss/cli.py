@@ -49,6 +49,26 @@ def eval_main() -> None:
     _hydra_main("eval", eval_task)()
 
 
+def consolidate_main(argv: list[str] | None = None) -> None:
+    """``multiloss-consolidate CHECKPOINT [OUT]``: a sharded run's checkpoint (``trainer=fsdp``'s ``last.ckpt``
+    directory) as one file, for a single device, DDP, or anything that reads a Lightning checkpoint."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="multiloss-consolidate", description=consolidate_main.__doc__)
+    parser.add_argument("checkpoint", type=Path, help="a sharded checkpoint directory (…/checkpoints/last.ckpt)")
+    parser.add_argument("out", type=Path, nargs="?", help="the file to write (default: <checkpoint>.whole.ckpt)")
+    args = parser.parse_args(argv)
+    from multiloss.checkpoints import consolidate
+    from multiloss.config import ConfigError
+
+    out = args.out or args.checkpoint.with_name(f"{args.checkpoint.stem}.whole.ckpt")
+    try:
+        written = consolidate(args.checkpoint, out)
+    except ConfigError as err:
+        _fail("config error", err.message, 2)
+    print(f"multiloss: wrote {written} (loads with torch.load(weights_only=True) or Recipe.load_from_checkpoint)")
+
+
 def _hydra_main(config_name: str, task: Callable[[DictConfig], object]) -> Callable[[], object]:
     import hydra
 
@@ -158,9 +178,9 @@ def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
 
 
 def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
-    from multiloss.run_dir import resume_argument
+    from multiloss.run_dir import checkpoint_exists, resume_argument
 
-    if checkpoint is None or not checkpoint.is_file():
+    if checkpoint is None or not checkpoint_exists(checkpoint):
         return ""
     if os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"):
         return ""  # the requeued or restarted job finds it by itself
@@ -210,8 +230,8 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     if metrics:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
-    from multiloss.run_dir import resume_argument
+    from multiloss.run_dir import checkpoint_exists, resume_argument
 
     last = out / "checkpoints" / "last.ckpt"
-    resume = f"; resume: {resume_argument(last)}" if last.is_file() else ""
+    resume = f"; resume: {resume_argument(last)}" if checkpoint_exists(last) else ""
     console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True)

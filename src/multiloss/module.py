@@ -15,7 +15,9 @@ under ``model.``): ``accumulate_grad_batches`` (k micro-batches per optimizer st
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import lightning as L
@@ -180,6 +182,7 @@ class Recipe(L.LightningModule):
         """Refuse what sharded training (FSDP2) cannot do with this recipe's settings (`multiloss.train` asks before
         any process starts)."""
         sharding.check_sharded_run(trainer.precision, trainer.accelerator.__class__.__name__)
+        sharding.check_policy(self, self.components, self.fsdp["shard"], self.fsdp["checkpoint"])
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.accumulates_batches:
@@ -194,6 +197,19 @@ class Recipe(L.LightningModule):
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self.attached_trainer is not None:
             self.trainer.accumulate_grad_batches = 1  # a Trainer fitted again passes check_trainer again
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's, and a sharded run's checkpoint directory too (read whole into a temporary file first)."""
+        from multiloss.run_dir import is_sharded_checkpoint
+
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        from multiloss.checkpoints import consolidate
+
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = consolidate(checkpoint_path, Path(tmp) / "whole.ckpt")
+            return super().load_from_checkpoint(whole, *args, **kwargs)
 
     def configure_model(self) -> None:
         # Lightning's hook for building or wrapping the model once per fit, before the first step.

@@ -56,7 +56,7 @@ class MultiTaskRecipe(Recipe):
         target = (self.balancer_spec or {}).get("_target_")
         require(
             target is None or not getattr(get_object(target), "combines_gradients", False),
-            "balancer._target_",
+            "model.balancer",
             target,
             "a balancer that weighs the losses (fixed, uncertainty, dwa) under sharded training, or trainer=ddp / "
             "ddp_cpu for PCGrad, GradNorm, UPGrad and MGDA",

@@ -22,6 +22,17 @@ LOCK = ".multiloss.lock"
 RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 
 
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint (``trainer=fsdp``'s): a directory of ``.distcp`` shards, their
+    ``.metadata`` and meta.pt."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def checkpoint_exists(path: str | Path) -> bool:
+    """A checkpoint file, or a sharded checkpoint's directory."""
+    return Path(path).is_file() or is_sharded_checkpoint(path)
+
+
 def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
     """The checkpoint a run starts from: ``ckpt_path``, with ``last`` meaning the run dir's own ``last.ckpt``.
 
@@ -33,8 +44,8 @@ def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
     last = Path(output_dir) / "checkpoints" / "last.ckpt"
     counts = [os.environ.get(name, "0") for name in RESTART_COUNTS]
     restarted = any(count.isdigit() and int(count) > 0 for count in counts)
-    if ckpt_path == "last" or (restarted and last.is_file()):
-        return str(last) if last.is_file() else None
+    if ckpt_path == "last" or (restarted and checkpoint_exists(last)):
+        return str(last) if checkpoint_exists(last) else None
     return ckpt_path
 
 
@@ -47,7 +58,7 @@ def check_run_dir(output_dir: str | Path, ckpt_path: str | None, overwrite: bool
     resuming_here = ckpt_path is not None and Path(ckpt_path).resolve().parent == checkpoints.resolve()
     if not resuming_here:
         last = checkpoints / "last.ckpt"
-        resume = "ckpt_path=last" if last.is_file() else resume_argument(existing[-1])
+        resume = "ckpt_path=last" if checkpoint_exists(last) else resume_argument(existing[-1])
         raise ConfigError(
             "hydra.run.dir",
             str(output_dir),

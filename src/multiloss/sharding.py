@@ -85,21 +85,38 @@ def shard_components(
     names or fnmatch patterns of module names; None: each child with parameters), then the component's root."""
     from torch.distributed.fsdp import fully_shard
 
+    check_policy(module, names, shard, checkpoint)
     kwargs = {"mesh": mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {})}
     for name in names:
         component = getattr(module, name)
-        _checkpoint_activations(component, checkpoint, f"model.fsdp.checkpoint ({name})")
-        units = _units(component, shard)
-        require(
-            shard is None or units,
-            "model.fsdp.shard",
-            list(shard or []),
-            f"class names or name patterns of model.{name}'s modules: {_module_names(component)}",
-            "it matches none of them",
-        )
-        for unit in units:  # innermost first: a unit inside another is sharded before it
+        _checkpoint_activations(component, checkpoint)
+        for unit in _units(component, shard):  # innermost first: a unit inside another is sharded before it
             fully_shard(unit, **kwargs)
         fully_shard(component, **kwargs)
+
+
+def check_policy(
+    module: nn.Module, names: Sequence[str], shard: Sequence[str] | None, checkpoint: Sequence[str]
+) -> None:
+    """Refuse a ``model.fsdp.shard`` or ``model.fsdp.checkpoint`` that names none of the components' modules (a
+    typo would otherwise shard each network whole, or checkpoint nothing)."""
+    components = [getattr(module, name) for name in names]
+    listing = "; ".join(f"model.{name}: {_module_names(c)}" for name, c in zip(names, components, strict=True))
+    require(
+        shard is None or any(_units(c, shard) for c in components),
+        "model.fsdp.shard",
+        list(shard or []),
+        f"class names or name patterns of the components' modules ({listing})",
+        "it matches none of them",
+    )
+    classes = set(checkpoint)
+    require(
+        not classes or any(type(m).__name__ in classes for c in components for m in c.modules()),
+        "model.fsdp.checkpoint",
+        sorted(classes),
+        f"class names of the components' modules ({listing})",
+        "it names none of them",
+    )
 
 
 def _units(component: nn.Module, shard: Sequence[str] | None) -> list[nn.Module]:
@@ -129,15 +146,12 @@ def _module_names(component: nn.Module) -> str:
     return ", ".join(names[:6] + classes[:6])
 
 
-def _checkpoint_activations(component: nn.Module, classes: Iterable[str], key: str) -> None:
+def _checkpoint_activations(component: nn.Module, classes: Iterable[str]) -> None:
     """Recompute the forward of each module of one of ``classes`` in the backward (non-reentrant checkpointing)."""
     classes = set(classes)
-    if not classes:
-        return
-    found = [m for m in component.modules() if type(m).__name__ in classes]
-    require(bool(found), key, sorted(classes), "class names of the component's modules", "none of its modules")
-    for m in found:
-        m.forward = functools.partial(_checkpointed, m.forward)
+    for m in component.modules():
+        if type(m).__name__ in classes:
+            m.forward = functools.partial(_checkpointed, m.forward)
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

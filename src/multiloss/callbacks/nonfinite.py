@@ -22,7 +22,6 @@ the step. ``nonfinite`` (a top-level key) chooses what happens:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
+from multiloss.run_dir import checkpoint_exists
 
 Mode = Literal["stop", "skip", "off"]
 
@@ -139,7 +139,7 @@ def _last_checkpoint(trainer: L.Trainer) -> str | None:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
             path = internals.last_saved(callback)
-            if path and Path(path).is_file():
+            if path and checkpoint_exists(path):
                 return str(path)
     resumed = trainer.ckpt_path
-    return str(resumed) if resumed and Path(resumed).is_file() else None
+    return str(resumed) if resumed and checkpoint_exists(resumed) else None

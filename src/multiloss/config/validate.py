@@ -15,7 +15,6 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Literal, Union
 
 from hydra.utils import get_object
@@ -85,8 +84,14 @@ def check_config(cfg: DictConfig) -> None:
     _check_schedule_lengths(cfg)
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:
+        from multiloss.run_dir import checkpoint_exists
+
         require(
-            Path(ckpt).is_file(), "ckpt_path", ckpt, "the path of an existing checkpoint file (.ckpt)", "no such file"
+            checkpoint_exists(ckpt),
+            "ckpt_path",
+            ckpt,
+            "the path of an existing checkpoint (a .ckpt file, or a sharded run's .ckpt directory)",
+            "no such checkpoint",
         )
 
 

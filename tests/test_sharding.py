@@ -1,0 +1,200 @@
+"""Sharded training (FSDP2, ``trainer=fsdp_cpu``: 2 CPU processes, gloo) against DDP (``trainer=ddp_cpu``).
+
+Every recipe, and each balancer sharding supports, ends with DDP's weights (same seed, data and steps; 1e-5);
+accumulation reduce-scatters once an optimizer step; a sharded run stopped at every kind of stop and resumed
+ends with the straight run's weights; the sharded ``last.ckpt`` (a directory, one shard a rank) is verified,
+evaluated, loaded and consolidated into one file; what FSDP2 cannot do is refused before a process starts.
+
+Each run is ``python train.py ...`` in a subprocess, as a user starts it (Lightning's launcher re-executes the
+script for rank 1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from multiloss.recipes.gan import GAN as GANRecipe
+
+from multiloss import train
+from multiloss.checkpoints import verify_checkpoint
+from multiloss.config import ConfigError
+from multiloss.data.vocabulary import pydoc_text
+from multiloss.run_dir import is_sharded_checkpoint
+from tests.conftest import QUIET, SMALL_GAN, load_weights, run_cli
+from tests.helpers import logged_rates
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+FSDP, DDP = ("trainer=fsdp_cpu",), ("trainer=ddp_cpu",)
+QUIET_RUN = (*QUIET, "~callbacks.loss_curves", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=2")
+SMALL_NET = ("model.net.width=16", "data.shuffle=false")
+# A GAN FSDP2 can shard: no gradient penalty (refused, see below).
+GAN = ("recipe=gan", "model.loss=nonsaturating", "model.gp_weight=0", *SMALL_GAN, "model.n_plot_samples=0")
+RECIPES = {
+    "multihead": ("recipe=multihead", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
+    "weighted": ("recipe=weighted", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
+    # Two epochs: DWA's weights come from the previous epochs' losses.
+    "weighted-uncertainty": ("recipe=weighted", "balancer=uncertainty", *SMALL_NET, "data.batch_size=256"),
+    "weighted-dwa": ("recipe=weighted", "balancer=dwa", *SMALL_NET, "data.batch_size=256", "trainer.max_epochs=3"),
+    "accumulation": ("recipe=accumulation", *SMALL_NET, "model.accumulate_grad_batches=2", "trainer.max_steps=4"),
+    "gan": (*GAN, "data.n_samples=1024", "data.batch_size=128", "trainer.max_steps=12"),
+    "tbptt": ("recipe=tbptt", "data=text", "data.level=chars", "data.layout=streams", "data.batch_size=4"),
+}
+TBPTT = ("data.seq_len=16", "model.chunk_length=8", "model.net.embedding_dim=8", "model.net.hidden_size=16")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, ...]:
+    root = tmp_path_factory.mktemp("corpus")
+    text = pydoc_text()
+    (root / "train.txt").write_text(text[: 8 * 48 + 1])  # 8 streams of 48 characters: 4 a rank, 3 windows of 16
+    (root / "valid.txt").write_text(text[1000:1200])
+    return (f"data.path={root / 'train.txt'}", f"data.val_path={root / 'valid.txt'}", "model.sample_length=5", *TBPTT)
+
+
+def _train(out: Path, *overrides: str) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = run_cli(*QUIET_RUN, *overrides, f"hydra.run.dir={out}", cwd=out.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def _worst(a: Path, b: Path) -> float:
+    wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if isinstance(wa[k], torch.Tensor))
+
+
+@pytest.mark.parametrize("case", sorted(RECIPES))
+def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
+    common = (*RECIPES[case], *(corpus if case == "tbptt" else ()))
+    counter = ("+callbacks.count._target_=tests.helpers.ReduceScatterCounter", f"+callbacks.count.dirpath={tmp_path}")
+    sharded = _train(tmp_path / "fsdp", *common, *FSDP, *(counter if case == "accumulation" else ()))
+    replicated = _train(tmp_path / "ddp", *common, *DDP)
+
+    last = sharded / "checkpoints/last.ckpt"
+    assert is_sharded_checkpoint(last)  # every rank wrote its own shard, no gather to rank 0
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    worst = _worst(sharded, replicated)
+    print(f"{case}: FSDP2 vs DDP, largest weight difference {worst:.2g}")  # for the record (pytest -s)
+    assert worst <= 1e-5
+    if case == "accumulation":
+        # The micro-batch that does not step skips the reduce-scatter: one a sharded unit an optimizer step.
+        for rank in (0, 1):
+            counts = json.loads((tmp_path / f"reducescatter_rank{rank}.json").read_text())
+            assert counts["optimizer_steps"] == 4 and counts["units"] >= 2, counts
+            assert counts["reduces"] == counts["units"] * counts["optimizer_steps"], counts
+
+
+GAN_RESUMED = (*GAN, "data.n_samples=1536", "data.batch_size=128", "model.n_critic=1")  # 12 steps an epoch
+SCHEDULE = ("scheduler=warmup_cosine", "model.scheduler.warmup_steps=4", "model.scheduler.total_steps=40")
+
+
+def _signal_at(step: int) -> tuple[str, ...]:
+    return ("+callbacks.signal._target_=tests.helpers.SignalAt", f"+callbacks.signal.step={step}")
+
+
+def _stopped(out: Path, *overrides: str) -> None:
+    proc = run_cli(*QUIET_RUN, *overrides, f"hydra.run.dir={out}", cwd=out.parent, timeout=600)
+    assert proc.returncode == 143, proc.stderr[-4000:]  # SIGTERM: saved, then 128 + 15
+    assert "run stopped: SIGTERM" in proc.stderr
+
+
+def test_a_sharded_run_stopped_at_every_kind_of_stop_ends_as_the_straight_run(tmp_path):
+    """The GAN (two optimizers, each on its own network's shards) under a warm-up cosine: SIGTERM mid-epoch 0,
+    SIGTERM on its last batch, an epoch end, ``max_steps`` mid-epoch 2, then the end — each continued with
+    ``ckpt_path=last`` from the sharded checkpoint — ends with the weights and rates of a run never stopped."""
+    common = (*GAN_RESUMED, *SCHEDULE, *FSDP, "trainer.log_every_n_steps=1", "data.shuffle=false")
+    straight = _train(tmp_path / "straight", *common, "trainer.max_epochs=3")
+    run = tmp_path / "run"
+    _stopped(run, *common, "trainer.max_epochs=3", *_signal_at(6))
+    _stopped(run, *common, "trainer.max_epochs=3", "ckpt_path=last", *_signal_at(10))
+    assert torch.load(run / "checkpoints/last.ckpt/meta.pt", weights_only=True)["global_step"] == 12
+    _train(run, *common, "trainer.max_epochs=2", "ckpt_path=last")
+    _train(run, *common, "trainer.max_epochs=3", "trainer.max_steps=30", "ckpt_path=last")
+    _train(run, *common, "trainer.max_epochs=3", "ckpt_path=last")
+
+    assert _worst(straight, run) == 0.0
+    assert logged_rates(run) == logged_rates(straight)
+
+    # The sharded checkpoint serves as a file would: verified against the model, read whole, consolidated.
+    last = run / "checkpoints/last.ckpt"
+    module = GANRecipe.load_from_checkpoint(last, weights_only=True)
+    assert verify_checkpoint(last, module)["global_step"] == 36
+    whole = tmp_path / "whole.ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from multiloss.cli import consolidate_main; consolidate_main()", str(last), str(whole)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    single = torch.load(whole, weights_only=True)
+    expected = load_weights(last)
+    assert all(torch.equal(single["state_dict"][k], v) for k, v in expected.items())
+    assert single["global_step"] == 36 and len(single["optimizer_states"]) == 2
+    assert all(isinstance(k, int) for k in single["optimizer_states"][0]["state"])  # Optimizer.state_dict's keys
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in expected.items())  # load_from_checkpoint
+    # One file is never written over.
+    again = subprocess.run(
+        [sys.executable, "-c", "from multiloss.cli import consolidate_main; consolidate_main()", str(last), str(whole)],
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+
+    # A shard gone: the guard names it before anything runs.
+    (last / "__1_0.distcp").rename(tmp_path / "moved.distcp")
+    with pytest.raises(ConfigError, match="shard files missing"):
+        verify_checkpoint(last, module)
+
+
+def test_tbptt_streams_sharded_resume_mid_epoch_keeps_the_carried_state(tmp_path, corpus):
+    """tbptt's carried hidden state a stream survives a SIGTERM mid-epoch of a sharded run."""
+    common = (*RECIPES["tbptt"], *corpus, *FSDP, "trainer.max_epochs=2")
+    straight = _train(tmp_path / "straight", *common)
+    run = tmp_path / "run"
+    _stopped(run, *common, *_signal_at(4))
+    _train(run, *common, "ckpt_path=last")
+    assert _worst(straight, run) == 0.0
+
+
+EVAL = (sys.executable, "-c", "from multiloss.cli import eval_main; eval_main()")
+
+
+def test_a_sharded_checkpoint_evaluates_on_one_process_as_under_fsdp(tmp_path):
+    trained = _train(tmp_path / "train", *RECIPES["multihead"], *FSDP)
+    ckpt = trained / "checkpoints/last.ckpt"
+    metrics = {}
+    for name, trainer in (("fsdp", ()), ("one", ("trainer=cpu",))):
+        proc = subprocess.run(
+            [*EVAL, f"ckpt_path={ckpt}", *trainer, f"hydra.run.dir={tmp_path / name}"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics[name] = proc.stdout
+    assert metrics["fsdp"].split("final values")[1] == metrics["one"].split("final values")[1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (("recipe=gan", "model.gp_weight=0.1"), "model.gp_weight"),
+        (("recipe=weighted", "balancer=pcgrad"), "model.balancer"),
+        (("recipe=weighted", "monitor=conflicts"), "monitor"),
+        (("recipe=multihead", "trainer.precision=bf16-mixed"), "trainer.precision"),
+        (("recipe=multihead", "model.fsdp.shard=[NoSuchBlock]"), "model.fsdp.shard"),
+    ],
+)
+def test_what_fsdp2_cannot_do_is_refused_before_a_process_starts(make_cfg, tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*overrides, *FSDP, output_dir=tmp_path / "run"))
+    assert err.value.key == key
+    assert not (tmp_path / "run" / "checkpoints").exists()
