@@ -72,14 +72,19 @@ def run_cli(
     )
 
 
-def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's ``state_dict``: a file's, or a sharded run's directory read whole."""
+def load_checkpoint(ckpt: Path) -> dict:
+    """A checkpoint's entries: a file's, or a sharded run's directory read whole."""
     from multiloss.checkpoints import read_sharded_checkpoint
     from multiloss.run_dir import is_sharded_checkpoint
 
     if is_sharded_checkpoint(ckpt):
-        return read_sharded_checkpoint(ckpt)["state_dict"]
-    return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+        return read_sharded_checkpoint(ckpt)
+    return torch.load(ckpt, map_location="cpu", weights_only=False)
+
+
+def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's ``state_dict`` (see `load_checkpoint`)."""
+    return load_checkpoint(ckpt)["state_dict"]
 
 
 @pytest.fixture(autouse=True)

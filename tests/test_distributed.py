@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
-from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_weights, run_cli
+from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_checkpoint, load_weights, run_cli
 from tests.helpers import char_streams, padded_tbptt, padded_token_npz
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -234,7 +234,15 @@ def test_torchrun_launch(tmp_path):
     assert len(list(out.rglob("metrics.csv"))) == 1
 
 
-def test_torchrun_restarts_a_job_whose_rank_died_and_it_continues_exactly(tmp_path):
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        ("trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu"),
+        ("trainer=fsdp_cpu",),  # a sharded last.ckpt: each restarted rank reads its own shard
+    ],
+    ids=["ddp", "fsdp"],
+)
+def test_torchrun_restarts_a_job_whose_rank_died_and_it_continues_exactly(tmp_path, trainer):
     """``torchrun --max-restarts=1``: rank 1 dies (exit 3) in epoch 2; torchrun restarts both ranks,
     which find their run dir (named after the launch) and its last.ckpt (epoch 1's end) by
     themselves and train on to the same weights as a run never interrupted."""
@@ -243,9 +251,7 @@ def test_torchrun_restarts_a_job_whose_rank_died_and_it_continues_exactly(tmp_pa
         "model.net.width=32",
         "model.net.dropout=0.2",
         "data.batch_size=128",
-        "trainer.strategy=ddp",
-        "trainer.devices=2",
-        "trainer.accelerator=cpu",
+        *trainer,
         "trainer.max_epochs=3",
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -271,7 +277,7 @@ def test_torchrun_restarts_a_job_whose_rank_died_and_it_continues_exactly(tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run,) = (tmp_path / "outputs/multihead").iterdir()
     assert "Restoring states from the checkpoint path" in proc.stdout + proc.stderr
-    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 18
+    assert load_checkpoint(run / "checkpoints/last.ckpt")["global_step"] == 18
 
     straight = _train(tmp_path / "straight", *common)
     a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt")

@@ -25,7 +25,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
@@ -36,6 +35,7 @@ from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
+from multiloss.torchrun import join_this_torchrun_attempt
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
 
@@ -118,27 +118,7 @@ class DDPStrategy(LightningDDPStrategy):
     strategy_name = "multiloss_ddp"
 
     def setup_distributed(self) -> None:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun keeps one store (its agent's) for every restart of the workers, while the
-            # process group's rendezvous assumes a fresh store per attempt: a restarted rank could
-            # read the address a dead rank of the last attempt published, and fail or hang
-            # ("Gloo connectFullMesh failed ... Connection refused"). Each attempt's keys get a
-            # prefix of their own; Lightning then finds the group made.
-            self.set_world_ranks()
-            env = self.cluster_environment
-            assert env is not None
-            timeout = internals.ddp_settings(self)["timeout"]
-            store = torch.distributed.TCPStore(
-                env.main_address, env.main_port, world_size=env.world_size(), is_master=False, timeout=timeout
-            )
-            torch.distributed.init_process_group(
-                internals.process_group_backend(self),
-                rank=env.global_rank(),
-                world_size=env.world_size(),
-                store=torch.distributed.PrefixStore(f"multiloss/attempt_{attempt}", store),
-                timeout=timeout,
-            )
+        join_this_torchrun_attempt(self)
         super().setup_distributed()
 
     def configure_ddp(self) -> None:

@@ -163,7 +163,12 @@ def ddp_settings(strategy: DDPStrategy) -> dict[str, Any]:
     }
 
 
-def process_group_backend(strategy: DDPStrategy) -> str:
+def process_group_timeout(strategy: Any) -> Any:
+    """The timeout a `DDPStrategy` or `ModelParallelStrategy` starts its process group with (``_timeout``)."""
+    return strategy._timeout
+
+
+def process_group_backend(strategy: Any) -> str:
     """The backend ``strategy`` initialises its process group with (``_get_process_group_backend``)."""
     return strategy._get_process_group_backend()
 
@@ -203,6 +208,12 @@ def use_launcher(strategy: DDPStrategy, launcher_class: type[ScriptLauncher]) ->
     """Give ``strategy`` a ``launcher_class`` where Lightning gave it its stock script launcher."""
     if type(strategy._launcher) is subprocess_script._SubprocessScriptLauncher:
         strategy._launcher = launcher_class(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+
+
+def set_threads_per_rank(num_processes: int) -> None:
+    """Give this rank the CPU threads Lightning's launchers give each of ``num_processes`` ranks (cores / ranks,
+    unless OMP_NUM_THREADS is set: ``_set_num_threads_if_needed``)."""
+    fabric_distributed._set_num_threads_if_needed(num_processes=num_processes)
 
 
 def use_data_parallel_world(strategy: Any) -> None:
@@ -261,9 +272,11 @@ READS = (
     "lightning.fabric.utilities.seed:_collect_rng_states",
     "lightning.fabric.utilities.seed:_set_rng_states",
     "lightning.fabric.utilities.distributed:_destroy_dist_connection",
+    "lightning.fabric.utilities.distributed:_set_num_threads_if_needed",
     "lightning.pytorch.strategies.ddp:DDPStrategy()._start_method",
     "lightning.pytorch.strategies.ddp:DDPStrategy()._process_group_backend",
     "lightning.pytorch.strategies.ddp:DDPStrategy()._timeout",
+    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._timeout",
     "lightning.pytorch.strategies.ddp:DDPStrategy()._ddp_kwargs",
     "lightning.pytorch.strategies.ddp:DDPStrategy()._ddp_comm_hook",
     "lightning.pytorch.strategies.ddp:DDPStrategy()._ddp_comm_state",

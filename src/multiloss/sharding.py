@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
+from multiloss.torchrun import join_this_torchrun_attempt
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -47,7 +48,14 @@ class FSDPStrategy(ModelParallelStrategy):
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(**kwargs)
 
+    def setup_distributed(self) -> None:
+        join_this_torchrun_attempt(self)
+        super().setup_distributed()
+
     def setup_environment(self) -> None:
+        # Lightning's ModelParallelStrategy starts no launcher in ranks > 0, so only rank 0 got its share of the
+        # cores (rank 1 ran on all of them: oversubscribed, and its matmuls summed in another order than DDP's).
+        internals.set_threads_per_rank(self.num_processes)
         internals.use_data_parallel_world(self)  # data_parallel_size: all ranks (Lightning's "auto": the nodes)
         super().setup_environment()
 
