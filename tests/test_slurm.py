@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUIET, ROOT, load_weights, run_cli
+from tests.conftest import QUIET, ROOT, load_checkpoint, load_weights, run_cli
 from tests.slurm_cluster import Unavailable, start_cluster
 
 # One worker (pytest-xdist) runs the whole module: one cluster for all of it.
@@ -54,7 +54,7 @@ def _script(*overrides: str, tasks: int = 2, out: Path) -> str:
 
 
 def _step(ckpt: Path) -> int:
-    return torch.load(ckpt, weights_only=True)["global_step"]
+    return load_checkpoint(ckpt)["global_step"]
 
 
 def test_an_sbatch_job_of_two_ranks_trains_into_one_run_dir_with_a_log_per_rank(cluster, tmp_path):
@@ -120,13 +120,13 @@ def test_a_bad_config_in_a_submitted_job_comes_back_to_the_submitter_in_one_line
     assert took < 120
 
 
-def _requeue_script(how: str, out: Path, run: Path) -> str:
+def _requeue_script(how: str, trainer: str, out: Path, run: Path) -> str:
     # sigusr1_on_an_epochs_last_batch: epoch 1's last batch (12 batches an epoch on each of 2 ranks) holds
     # until the signal has come; Lightning's restart used to count that epoch twice (0.07 off).
     at = ("+callbacks.preempt.step=23", "+callbacks.preempt.hold=true") if how.endswith("last_batch") else ()
     return _script(
         *MULTIHEAD,
-        "trainer=ddp_cpu",
+        f"trainer={trainer}",
         "trainer.max_steps=40",
         f"hydra.run.dir={run}",
         "+callbacks.preempt._target_=tests.slurm_helpers.PreemptOnce",
@@ -137,18 +137,33 @@ def _requeue_script(how: str, out: Path, run: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The same 40 steps, never interrupted (Lightning's own DDP launch, the same 2 ranks)."""
-    straight = tmp_path_factory.mktemp("straight") / "run"
-    proc = run_cli(*RUN, *MULTIHEAD, "trainer=ddp_cpu", "trainer.max_steps=40", f"hydra.run.dir={straight}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return straight / "checkpoints/last.ckpt"
+def uninterrupted(tmp_path_factory):
+    """The same 40 steps under a trainer, never interrupted (Lightning's own launch, the same 2 ranks)."""
+    runs: dict[str, Path] = {}
+
+    def run(trainer: str) -> Path:
+        if trainer not in runs:
+            straight = tmp_path_factory.mktemp("straight") / "run"
+            proc = run_cli(*RUN, *MULTIHEAD, f"trainer={trainer}", "trainer.max_steps=40", f"hydra.run.dir={straight}")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[trainer] = straight / "checkpoints/last.ckpt"
+        return runs[trainer]
+
+    return run
 
 
-@pytest.mark.parametrize("how", ["scontrol_requeue", "sigusr1", "sigusr1_on_an_epochs_last_batch"])
-def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, uninterrupted, tmp_path, how):
+@pytest.mark.parametrize(
+    ("how", "trainer"),
+    [
+        ("scontrol_requeue", "ddp_cpu"),
+        ("sigusr1", "ddp_cpu"),
+        ("sigusr1_on_an_epochs_last_batch", "ddp_cpu"),
+        ("sigusr1", "fsdp_cpu"),  # a sharded last.ckpt, each rank's shard written before the requeue
+    ],
+)
+def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, uninterrupted, tmp_path, how, trainer):
     run = tmp_path / "run"
-    job = cluster.sbatch(_requeue_script(how, tmp_path, run), tmp_path)
+    job = cluster.sbatch(_requeue_script(how, trainer, tmp_path, run), tmp_path)
     state = cluster.wait(job, timeout=400)
     log = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("slurm-*.out"))
     assert state == "COMPLETED", log
@@ -161,6 +176,6 @@ def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, uninte
         assert 17 < saved_step < 40  # mid-run, mid-epoch, where the signal found it
     assert _step(run / "checkpoints/last.ckpt") == 40
 
-    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(uninterrupted)
+    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(uninterrupted(trainer))
     worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
     assert worst == 0.0, f"the requeued run's weights differ by {worst:.3g}"
