@@ -3,6 +3,7 @@
     python benchmarks/memory.py                    # CPU: every law
     python benchmarks/memory.py --device cuda
     python benchmarks/memory.py --laws tbptt validation heads
+    python benchmarks/memory.py --laws sharding [--device cuda]
 
 - **tbptt**: truncated BPTT's peak memory is flat in the sequence length (one chunk's graph at a
   time), full BPTT's grows with it. ``recipe=tbptt`` through ``multiloss.train``, one batch of 4
@@ -18,6 +19,13 @@
 - **heads**: N heads' losses summed and backpropagated once cost about one backward, in time and
   memory, against N ``backward(retain_graph=True)`` calls (plain PyTorch, a trunk of 6 dense blocks of
   width 1024 and N linear heads, batch 256).
+- **sharding**: under FSDP2 (``trainer=fsdp_cpu`` / ``trainer=fsdp``) each of 2 ranks holds half of the
+  parameters, gradients and optimizer state that a DDP rank holds whole (law: sharded bytes a rank =
+  DDP's / world size, up to the parameters no unit shards). ``recipe=multihead`` (Adam) on a trunk of
+  6 × 4096 dense blocks (84 M parameters), 2 ranks, batch 512 a rank, with and without activation
+  checkpointing of the blocks (``model.fsdp.checkpoint=[Sequential]``); per rank: the bytes of its
+  parameters, gradients (at the optimizer step) and optimizer state, its peak resident memory (CPU) or
+  ``torch.cuda.max_memory_allocated`` (CUDA), and the median step time.
 
 Memory is measured above what the process held just before the first training step (weights,
 data, the framework): on CUDA ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` then;
@@ -42,7 +50,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAWS = ("tbptt", "validation", "accumulation", "heads")
+LAWS = ("tbptt", "validation", "accumulation", "heads", "sharding")
 SEQ_LENS = (1024, 4096, 16384, 32768)
 FULL_BPTT_SEQ_LENS = (1024, 4096, 16384)  # 32k full BPTT holds ~2.5 GB of graph: slow on a small CPU
 ACCUMULATION_K = (1, 2, 4, 8)
@@ -50,6 +58,11 @@ HEADS = (1, 2, 4, 8)
 VOCAB, VAL_STREAMS = 15_000, 10
 VAL_LENGTHS = (1536, 3072, 6144, 12288)
 WHOLE_FORWARD_LENGTHS = (1536, 3072, 6144)  # 12k: 7.2 GB of logits alone
+# (width, depth, batch a rank, dense blocks' extras): a wide trunk, whose training state dominates (84 M parameters,
+# 1.3 GB with Adam's state), and a deep narrow one at a large batch, with BatchNorm and dropout, whose activations
+# do (each block keeps four tensors for the backward; checkpointed, only its input).
+SHARDED_NETS = ((4096, 6, 1024, ()), (1024, 16, 2048, ("model.net.batch_norm=true", "model.net.dropout=0.1")))
+SHARDED_STEPS = 4
 
 
 # --- inside a case's process ----------------------------------------------------------------------
@@ -278,6 +291,187 @@ def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> d
     return {"peak": meter.peak_above(), "saved": saved.peak, "seconds": statistics.median(times[1:])}
 
 
+class ShardMeter:
+    """A callback (built by Lightning in each rank of a ``train.py`` run) writing ``<out>_rank<r>.json``: the bytes
+    of the rank's parameters, gradients and optimizer state (a sharded tensor's local shard), its peak memory, the
+    memory at the first step's start and its median step time."""
+
+    def __new__(cls, out: str):
+        import lightning as L
+
+        class _Meter(L.Callback):
+            def __init__(self) -> None:
+                self.grads = 0
+                self.times: list[float] = []
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.global_step == 0 and batch_idx == 0:
+                    self.device = "cuda" if pl_module.device.type == "cuda" else "cpu"
+                    self.meter = Meter(self.device)
+                    self.meter.start()
+                    self.backward = 0
+                self._sync()
+                self.step_base = _reset_peak(self.device)
+                self.t = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self._sync()
+                self.times.append(time.perf_counter() - self.t)
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                # After the forward and backward, before the update: their peak above the step's start.
+                self.backward = max(self.backward, _peak_since_reset(self.device) - self.step_base)
+                grads = sum(_local_bytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
+                self.grads = max(self.grads, grads)
+
+            def on_train_end(self, trainer, pl_module):
+                import torch
+
+                optimizer_state = sum(
+                    _local_bytes(v)
+                    for opt in trainer.optimizers
+                    for state in opt.state.values()
+                    for v in state.values()
+                    if isinstance(v, torch.Tensor)
+                )
+                peak = (
+                    torch.cuda.max_memory_allocated()
+                    if self.device == "cuda"
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                )
+                result = {
+                    "params": sum(_local_bytes(p) for p in pl_module.parameters()),
+                    "numel": sum(p.numel() for p in pl_module.parameters()),  # the whole model's, sharded or not
+                    "grads": self.grads,
+                    "optimizer": optimizer_state,
+                    "peak": peak,
+                    "peak_above_start": self.meter.peak_above(),
+                    "backward": self.backward,
+                    "seconds": statistics.median(self.times[1:]),
+                }
+                Path(f"{out}_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+            def _sync(self) -> None:
+                import torch
+
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+
+        return _Meter()
+
+
+def _reset_peak(device: str) -> int:
+    """Start a new peak (CUDA's allocation peak; on CPU the kernel's VmHWM, reset through clear_refs); the memory
+    now."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss()
+
+
+def _peak_since_reset(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
+def _local_bytes(tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+    return local.numel() * local.element_size()
+
+
+def run_sharded_case(
+    device: str, trainer: str, checkpointed: bool, width: int, depth: int, batch: int, extras: tuple[str, ...]
+) -> dict[str, list[dict[str, float]]]:
+    """``train.py recipe=multihead`` on 2 ranks under ``trainer`` (ddp_cpu, fsdp_cpu, ddp, fsdp); each rank's
+    numbers."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "meter"
+        # Random digits-shaped examples, enough for every step's full batch on both ranks (digits has 1,437).
+        n = int(2 * batch * SHARDED_STEPS / 0.8) + 2
+        rng = np.random.default_rng(0)
+        data = Path(tmp) / "data.npz"
+        np.savez(data, x=rng.standard_normal((n, 64), dtype=np.float32), y=rng.integers(0, 10, n))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "train.py"),
+                "recipe=multihead",
+                "data=npz",
+                f"data.path={data}",
+                *extras,
+                f"model.net.width={width}",
+                f"model.net.depth={depth}",
+                f"data.batch_size={batch}",
+                f"trainer={trainer}",
+                "trainer.devices=2",
+                f"trainer.max_steps={SHARDED_STEPS}",
+                "trainer.limit_val_batches=0",
+                "trainer.num_sanity_val_steps=0",
+                "trainer.enable_progress_bar=false",
+                "trainer.enable_model_summary=false",
+                "+trainer.enable_checkpointing=false",
+                "logger=none",
+                "callbacks=none",
+                "print_config=false",
+                *(["model.fsdp.checkpoint=[Sequential]"] if checkpointed else []),
+                "+callbacks.meter._target_=memory.ShardMeter",
+                f"+callbacks.meter.out={out}",
+                f"hydra.run.dir={tmp}/run",
+            ],
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONWARNINGS": "ignore",
+                "OMP_NUM_THREADS": "1",
+                "MALLOC_MMAP_THRESHOLD_": "65536",
+            },
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"sharded case {trainer} failed:\n{proc.stderr[-3000:]}")
+        return {"ranks": [json.loads(Path(f"{out}_rank{r}.json").read_text()) for r in (0, 1)]}
+
+
+def sharding_law(device: str) -> None:
+    trainers = ("ddp", "fsdp") if device == "cuda" else ("ddp_cpu", "fsdp_cpu")
+    print(
+        "\n**Sharding**: recipe=multihead (Adam), a trunk of depth × width dense blocks, 2 ranks. MiB a rank (rank 0):"
+    )
+    print("parameters + gradients + optimizer state = the training state (the law: FSDP2's = DDP's / 2); forward +")
+    print("backward: the peak of a step's forward and backward above the step's start (activations, gradients,")
+    print("FSDP2's gathered units); peak: the rank's (CPU: resident set; CUDA: max_memory_allocated), and above the")
+    print("first step's start\n")
+    print(
+        "| trunk, batch a rank | trainer | activation checkpointing | parameters | gradients | optimizer "
+        "| training state | × DDP's | forward + backward | peak | peak above start | s / step |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for width, depth, batch, extras in SHARDED_NETS:
+        state_ddp = None
+        for trainer, checkpointed in ((trainers[0], False), (trainers[1], False), (trainers[1], True)):
+            r = run_sharded_case(device, trainer, checkpointed, width, depth, batch, extras)["ranks"][0]
+            state = r["params"] + r["grads"] + r["optimizer"]
+            state_ddp = state_ddp or state
+            print(
+                f"| {depth} × {width}{' (BN, dropout)' if extras else ''}, {r['numel'] / 1e6:.1f} M, {batch} "
+                f"| {trainer} "
+                f"| {'blocks' if checkpointed else 'off'} | {mib(r['params'])} | {mib(r['grads'])} "
+                f"| {mib(r['optimizer'])} | {mib(state)} | {state / state_ddp:.3f} | {mib(r['backward'])} "
+                f"| {mib(r['peak'])} | {mib(r['peak_above_start'])} | {r['seconds']:.2f} |",
+                flush=True,
+            )
+
+
 # --- the driver: one subprocess per case ------------------------------------------------------------
 
 
@@ -395,7 +589,13 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()}, {os.cpu_count()} cores"
     print(f"Machine: {where}; torch {torch.__version__}; 1 torch CPU thread; fp32.")
     for law in args.laws:
-        laws = {"tbptt": tbptt_law, "validation": validation_law, "accumulation": accumulation_law, "heads": heads_law}
+        laws = {
+            "tbptt": tbptt_law,
+            "validation": validation_law,
+            "accumulation": accumulation_law,
+            "heads": heads_law,
+            "sharding": sharding_law,
+        }
         laws[law](args.device)
 
 

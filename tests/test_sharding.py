@@ -37,6 +37,16 @@ SMALL_NET = ("model.net.width=16", "data.shuffle=false")
 GAN = ("recipe=gan", "model.loss=nonsaturating", "model.gp_weight=0", *SMALL_GAN, "model.n_plot_samples=0")
 RECIPES = {
     "multihead": ("recipe=multihead", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
+    # Units by class (the trunk's blocks; the heads stay in the root's unit), each block's forward recomputed in
+    # the backward (DDP ignores the FSDP policy).
+    "multihead-checkpointed": (
+        "recipe=multihead",
+        *SMALL_NET,
+        "data.batch_size=64",
+        "trainer.max_steps=6",
+        "model.fsdp.shard=[Sequential]",
+        "model.fsdp.checkpoint=[Sequential]",
+    ),
     "weighted": ("recipe=weighted", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
     # Two epochs: DWA's weights come from the previous epochs' losses.
     "weighted-uncertainty": ("recipe=weighted", "balancer=uncertainty", *SMALL_NET, "data.batch_size=256"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer, error_from_lightning
@@ -28,6 +29,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
     if isinstance(model, Recipe) and is_sharded(trainer.strategy):
         model.check_sharding(trainer)  # what FSDP2 cannot do, before its processes start
+    elif isinstance(model, Recipe) and (model.fsdp["shard"] is not None or model.fsdp["checkpoint"]):
+        rank_zero_warn(
+            f"model.fsdp={dict(model.fsdp)} applies under trainer=fsdp / fsdp_cpu only: "
+            f"{type(trainer.strategy).__name__} ignores it"
+        )
     if cfg.get("ckpt_path"):
         checkpoint = verify_checkpoint(cfg.ckpt_path, model)
         verify_position(
