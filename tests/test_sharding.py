@@ -210,3 +210,15 @@ def test_what_fsdp2_cannot_do_is_refused_before_a_process_starts(make_cfg, tmp_p
         train(make_cfg(*overrides, *FSDP, output_dir=tmp_path / "run"))
     assert err.value.key == key
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_sharded_checkpoint_continues_under_ddp_to_the_sharded_runs_weights(tmp_path):
+    """Out of room no more (or moved to a DDP cluster): epoch 1 under FSDP2, epoch 2 under DDP from its sharded
+    last.ckpt, read whole."""
+    common = (*RECIPES["multihead"][:-1], "data.batch_size=256", "callbacks.model_checkpoint.epoch_save_seconds=0")
+    straight = _train(tmp_path / "straight", *common, *FSDP, "trainer.max_epochs=2")
+    first = _train(tmp_path / "first", *common, *FSDP, "trainer.max_epochs=1")
+    moved = _train(
+        tmp_path / "moved", *common, *DDP, "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints/last.ckpt'}"
+    )
+    assert _worst(straight, moved) == 0.0
