@@ -29,7 +29,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from multiloss.config import ConfigError, require
-from multiloss.module import Recipe
 from multiloss.run_dir import is_sharded_checkpoint
 
 
@@ -97,12 +96,15 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
     contents (tensors on the CPU; of a sharded checkpoint, everything but the tensors)."""
     path = str(path)
     checkpoint, shapes = _read_sharded(path) if is_sharded_checkpoint(path) else _read_whole(path)
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    # None: an entry that is not a tensor (a module's extra state, e.g. a balancer's).
+    expected = {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in module.state_dict().items()}
     missing = [k for k in expected if k not in shapes]
-    # Parts a module builds only once it has seen the data (multihead's balancer, sized by its heads).
-    later = module.built_at_setup if isinstance(module, Recipe) else ()
+    # Parts a module builds only once it has seen the data (multihead's balancer, sized by its heads): a Recipe's.
+    later = getattr(module, "built_at_setup", ())
     unexpected = [k for k in shapes if k not in expected and not k.startswith(later)]
-    reshaped = [f"{k} {shapes[k]} vs {v}" for k, v in expected.items() if shapes.get(k) is not None and shapes[k] != v]
+    reshaped = [
+        f"{k} {shapes[k]} vs {v}" for k, v in expected.items() if None not in (v, shapes.get(k)) and shapes[k] != v
+    ]
     if missing or unexpected or reshaped:
         parts = []
         if missing:
@@ -119,8 +121,8 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
             f"a checkpoint of this run's model ({type(module).__name__} with these components and sizes)",
             "it belongs to another model: " + "; ".join(parts),
         )
-    if isinstance(module, Recipe):
-        module.check_checkpoint(checkpoint, path)
+    if (check := getattr(module, "check_checkpoint", None)) is not None:  # a Recipe's own checks
+        check(checkpoint, path)
     return checkpoint
 
 
@@ -160,9 +162,9 @@ def _read_sharded(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] 
     checkpoint = _load(str(Path(path) / META)) if (Path(path) / META).is_file() else {}
     prefix = "state_dict."
     shapes = {
-        k[len(prefix) :]: tuple(v.size)
+        k[len(prefix) :]: tuple(v.size) if hasattr(v, "size") else None  # None: stored as bytes, not a tensor
         for k, v in metadata.state_dict_metadata.items()
-        if k.startswith(prefix) and hasattr(v, "size")
+        if k.startswith(prefix)
     }
     return checkpoint, shapes
 
