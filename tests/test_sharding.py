@@ -222,3 +222,14 @@ def test_a_sharded_checkpoint_continues_under_ddp_to_the_sharded_runs_weights(tm
         tmp_path / "moved", *common, *DDP, "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints/last.ckpt'}"
     )
     assert _worst(straight, moved) == 0.0
+
+
+@pytest.mark.parametrize("trainer", [FSDP, DDP], ids=["fsdp", "ddp"])
+def test_dwas_epoch_sums_resume_at_an_epoch_end_exactly(tmp_path, trainer):
+    """DWA's running sums (a dict of extra state: flattened key by key in a sharded checkpoint) continue exactly:
+    the epoch's mean is the ranks' summed sums over the count, so a resume from their mean gives the same bits."""
+    common = (*RECIPES["weighted-dwa"][:-1], *trainer, "callbacks.model_checkpoint.epoch_save_seconds=0")
+    straight = _train(tmp_path / "straight", *common, "trainer.max_epochs=3")
+    run = _train(tmp_path / "run", *common, "trainer.max_epochs=2")
+    _train(run, *common, "trainer.max_epochs=3", "ckpt_path=last")
+    assert _worst(straight, run) == 0.0

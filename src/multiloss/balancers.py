@@ -233,7 +233,8 @@ class DynamicWeightAverage(Balancer):
         if self._host_epoch == epoch:
             return
         if self._host_epoch >= 0 and bool(self.epoch_count > 0):
-            mean = reduce(self.epoch_sum / self.epoch_count)
+            # Sum over the ranks, then divide (equal counts): a resume from the ranks' mean sum gives the same bits.
+            mean = reduce(self.epoch_sum) / self.epoch_count
             self.epoch_means.copy_(torch.stack([self.epoch_means[1], mean]))
             self.current.copy_(dwa_weights(self.epoch_means[0], self.epoch_means[1], self.temperature))
         self.epoch_sum.zero_()

@@ -98,6 +98,12 @@ def verify_checkpoint(path: str | Path, module: nn.Module) -> dict[str, Any]:
     checkpoint, shapes = _read_sharded(path) if is_sharded_checkpoint(path) else _read_whole(path)
     # None: an entry that is not a tensor (a module's extra state, e.g. a balancer's).
     expected = {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in module.state_dict().items()}
+    # A sharded checkpoint stores a dict of extra state flattened, one entry a value: "<key>.<name>".
+    non_tensors = tuple(f"{k}." for k, v in expected.items() if v is None)
+    shapes = {
+        next((p[:-1] for p in non_tensors if k.startswith(p)), k): v if not k.startswith(non_tensors) else None
+        for k, v in shapes.items()
+    }
     missing = [k for k in expected if k not in shapes]
     # Parts a module builds only once it has seen the data (multihead's balancer, sized by its heads): a Recipe's.
     later = getattr(module, "built_at_setup", ())
