@@ -15,7 +15,7 @@ import shlex
 import socket
 from pathlib import Path
 
-from multiloss.config import ConfigError
+from multiloss.config.errors import ConfigError
 
 LOCK = ".multiloss.lock"
 # Set by SLURM in a requeued job and by torchrun in a restarted worker: the same run, again.
