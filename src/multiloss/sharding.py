@@ -48,14 +48,12 @@ class FSDPStrategy(ModelParallelStrategy):
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(**kwargs)
 
-    def setup_distributed(self) -> None:
-        join_this_torchrun_attempt(self)
-        super().setup_distributed()
-
     def setup_environment(self) -> None:
         # Lightning's ModelParallelStrategy starts no launcher in ranks > 0, so only rank 0 got its share of the
         # cores (rank 1 ran on all of them: oversubscribed, and its matmuls summed in another order than DDP's).
         internals.set_threads_per_rank(self.num_processes)
+        # ModelParallelStrategy starts its process group here (its _setup_distributed), not in setup_distributed.
+        join_this_torchrun_attempt(self)
         internals.use_data_parallel_world(self)  # data_parallel_size: all ranks (Lightning's "auto": the nodes)
         super().setup_environment()
 
