@@ -165,7 +165,7 @@ def _read_sharded(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] 
     missing = sorted(shards - {p.name for p in Path(path).iterdir()})
     if missing:
         raise ConfigError("ckpt_path", path, "a whole sharded checkpoint", f"shard files missing: {missing[:3]}")
-    checkpoint = _load(str(Path(path) / META)) if (Path(path) / META).is_file() else {}
+    checkpoint = _read_meta(Path(path))
     prefix = "state_dict."
     shapes = {
         k[len(prefix) :]: tuple(v.size) if hasattr(v, "size") else None  # None: stored as bytes, not a tensor
@@ -188,6 +188,11 @@ def _load(path: str) -> dict[str, Any]:
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors (Lightning's ModelParallelStrategy writes it)
 
 
+def _read_meta(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint's entries other than the tensors (none if it has no meta.pt)."""
+    return _load(str(path / META)) if (path / META).is_file() else {}
+
+
 def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
     """A sharded checkpoint as the one-file Lightning checkpoint DDP would have written: meta.pt's entries, the
     whole ``state_dict`` and each optimizer's whole state, keyed by parameter index as ``Optimizer.state_dict``
@@ -203,7 +208,7 @@ def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(path, whole)
         tensors = torch.load(whole, map_location="cpu", weights_only=True)
-    checkpoint = torch.load(path / META, map_location="cpu", weights_only=True) if (path / META).is_file() else {}
+    checkpoint = _read_meta(path)
     optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     return {
         **checkpoint,

@@ -62,10 +62,11 @@ def _stored(ckpt: Path | str) -> dict[str, Any]:
     """The checkpoint's top-level entries (memory-mapped), or none if it cannot be read."""
     import torch
 
+    from multiloss.checkpoints import META
     from multiloss.run_dir import is_sharded_checkpoint
 
     if is_sharded_checkpoint(ckpt):  # a sharded checkpoint keeps its entries in meta.pt
-        ckpt = Path(ckpt) / "meta.pt"
+        ckpt = Path(ckpt) / META
     try:
         checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # not a readable checkpoint: `verify_checkpoint` says so, naming ckpt_path

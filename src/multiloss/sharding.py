@@ -88,10 +88,10 @@ def shard_components(
     mp_policy: Any = None,
 ) -> None:
     """``fully_shard`` each component of ``module`` named in ``names`` on its own: the units ``shard`` picks (class
-    names or fnmatch patterns of module names; None: each child with parameters), then the component's root."""
+    names or fnmatch patterns of module names; None: each child with parameters), then the component's root.
+    `check_policy` has judged ``shard`` and ``checkpoint`` (`Recipe.check_sharding`, before the processes start)."""
     from torch.distributed.fsdp import fully_shard
 
-    check_policy(module, names, shard, checkpoint)
     kwargs = {"mesh": mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {})}
     for name in names:
         component = getattr(module, name)

@@ -16,8 +16,9 @@ def join_this_torchrun_attempt(strategy: Any) -> None:
     torchrun keeps one store (its agent's) for every restart of the workers, while the process
     group's rendezvous assumes a fresh store per attempt: a restarted rank could read the address a
     dead rank of the last attempt published, and fail or hang ("Gloo connectFullMesh failed ...
-    Connection refused"). Each attempt's keys get a prefix of their own; Lightning's
-    ``setup_distributed`` then finds the group made. Nothing happens outside a restart.
+    Connection refused"). Each attempt's keys get a prefix of their own; the strategy's own
+    group setup then finds the group made (called before it: DDP's ``setup_distributed``, FSDP's
+    ``setup_environment``). Nothing happens outside a restart.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
