@@ -222,17 +222,9 @@ class GAN(Recipe):
         self.mode_coverage: ModeCoverage | None = None  # made by the component check when the data has modes
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
 
-    def check_sharding(self, trainer: L.Trainer) -> None:
-        super().check_sharding(trainer)
-        require(
-            self.gp_weight == 0,
-            "model.gp_weight",
-            self.gp_weight,
-            "0 under trainer=fsdp / fsdp_cpu (e.g. model.loss=nonsaturating model.gp_weight=0), or trainer=ddp / "
-            "ddp_cpu to keep the penalty",
-            "FSDP2 cannot differentiate the penalty's gradient through a sharded critic (torch 2.13: the first "
-            "backward reshards the weights the second needs; kept unsharded, their gradients never arrive)",
-        )
+    def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
+        # The penalty differentiates ∇D(x̂) again (create_graph): a double backward through the critic.
+        return ("discriminator",) if self.gp_weight > 0 else ()
 
     def not_compilable(self, name: str) -> str:
         if name == "discriminator" and self.gp_weight > 0:
@@ -368,9 +360,10 @@ class GAN(Recipe):
         kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
 
         # Discriminator micro-batch. Inside the block only D's weights require grad (toggle_model), and
-        # DDP all-reduces only when D steps; the fakes are detached as well, so D's backward stops at D's
-        # input whatever built them.
-        with opt_d.toggle_model(sync_grad=d_steps):
+        # DDP all-reduces only when D steps (under FSDP2 with a penalty, D is held whole for the block and its
+        # gradients handed over at its end); the fakes are detached as well, so D's backward stops at D's input
+        # whatever built them.
+        with opt_d.toggle_model(sync_grad=d_steps), self.whole_step(d_steps, "discriminator"):
             fake = (kept if kept is not None else self.generator(z)).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
             self.manual_backward(d_losses["d"] if k == 1 else d_losses["d"] / k)

@@ -51,8 +51,44 @@ RECIPES = {
     # Two epochs: DWA's weights come from the previous epochs' losses.
     "weighted-uncertainty": ("recipe=weighted", "balancer=uncertainty", *SMALL_NET, "data.batch_size=256"),
     "weighted-dwa": ("recipe=weighted", "balancer=dwa", *SMALL_NET, "data.batch_size=256", "trainer.max_epochs=3"),
+    # The gradient balancers: the net held whole for its step (each task's autograd.grad), then reduce-scattered by
+    # hand. PCGrad with the conflict monitor on rank zero; GradNorm on a named `shared` layer (parameters found by
+    # name on the whole net) with 2 micro-batches a step (the whole gradient summed before the reduce-scatter).
+    "weighted-pcgrad": (
+        "recipe=weighted",
+        "balancer=pcgrad",
+        "monitor=conflicts",
+        *SMALL_NET,
+        "data.batch_size=64",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=2",
+    ),
+    "weighted-gradnorm": (
+        "recipe=weighted",
+        "balancer=gradnorm",
+        "model.balancer.shared=[trunk.1]",
+        "model.accumulate_grad_batches=2",
+        *SMALL_NET,
+        "data.batch_size=64",
+        "trainer.max_steps=4",
+    ),
+    "weighted-upgrad": ("recipe=weighted", "balancer=upgrad", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
+    "multihead-mgda": ("recipe=multihead", "balancer=mgda", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
     "accumulation": ("recipe=accumulation", *SMALL_NET, "model.accumulate_grad_batches=2", "trainer.max_steps=4"),
     "gan": (*GAN, "data.n_samples=1024", "data.batch_size=128", "trainer.max_steps=12"),
+    # WGAN-GP: the penalty's double backward through a critic held whole for its step; G on the critic's noise.
+    "gan-wgan-gp": (
+        "recipe=gan",
+        "model.loss=wgan-gp",
+        "model.gp_weight=0.1",
+        "model.n_critic=2",
+        "model.g_input=same_z",
+        *SMALL_GAN,
+        "model.n_plot_samples=0",
+        "data.n_samples=1024",
+        "data.batch_size=128",
+        "trainer.max_steps=12",
+    ),
     "tbptt": ("recipe=tbptt", "data=text", "data.level=chars", "data.layout=streams", "data.batch_size=4"),
 }
 TBPTT = ("data.seq_len=16", "model.chunk_length=8", "model.net.embedding_dim=8", "model.net.hidden_size=16")

@@ -43,7 +43,7 @@ class Balancer(nn.Module):
 
     adaptive = True  # its weights change: the recipe logs them as weight/<task>
     combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
-    shared_parameters: list[nn.Parameter] | None = None  # the layers its rule works on, when named (`shared`)
+    shared: list[str] | None = None  # the names of the layers its rule works on (None: found)
 
     def __init__(self, tasks: Sequence[str], base: Sequence[float]) -> None:
         super().__init__()
@@ -59,11 +59,17 @@ class Balancer(nn.Module):
         """A scalar added to the backward to train the balancer's own parameters (None: nothing)."""
         return None
 
-    def surrogate(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> torch.Tensor:
+    def surrogate(
+        self,
+        losses: Sequence[torch.Tensor],
+        params: Sequence[nn.Parameter],
+        shared: Sequence[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
         """A scalar whose gradient on ``params`` is this step's combined gradient (``combines_gradients`` balancers).
 
         ``losses``: each task's own loss tensor (not slices of one stacked vector: a slice's graph
-        reaches every task). The recipe backwards the result as its one loss.
+        reaches every task). ``shared``: the parameters ``shared`` names, as the net holds them now (None:
+        found). The recipe backwards the result as its one loss.
         """
         raise NotImplementedError
 
@@ -102,15 +108,21 @@ class Balanced:
 
 
 def balance(
-    balancer: Balancer, losses: Mapping[str, torch.Tensor], params: Sequence[nn.Parameter], epoch: int, reduce: Reduce
+    balancer: Balancer,
+    losses: Mapping[str, torch.Tensor],
+    params: Sequence[nn.Parameter],
+    epoch: int,
+    reduce: Reduce,
+    shared: Sequence[nn.Parameter] | None = None,
 ) -> Balanced:
     """The balancer protocol of one training step, in the order it must run: the epoch it belongs to, the weights
-    for the detached losses, the balancer's own term, and a gradient balancer's surrogate of ``params``' gradient."""
+    for the detached losses, the balancer's own term, and a gradient balancer's surrogate of ``params``' gradient
+    (``shared``: the parameters its ``shared`` key names)."""
     balancer.start_epoch(epoch, reduce)
     stacked = torch.stack(list(losses.values()))
     weights = balancer.weights(stacked.detach())
     extra = balancer.extra(stacked)
-    surrogate = balancer.surrogate(list(losses.values()), params) if balancer.combines_gradients else None
+    surrogate = balancer.surrogate(list(losses.values()), params, shared) if balancer.combines_gradients else None
     total = (weights.to(stacked.dtype) * stacked).sum()
     return Balanced(stacked, weights, extra, surrogate, total if extra is None else total + extra)
 
@@ -136,10 +148,16 @@ class GradientBalancer(Balancer):
     ) -> None:
         super().__init__(tasks, base)
         require(shared is None or net is not None, "shared", shared, "null, unless the recipe passes its net")
-        # A plain list, not a submodule: the net's own parameters, resolved once.
-        self.shared_parameters = None if shared is None else select_parameters(net, shared)
+        # Names, judged now: the net's parameter objects change when FSDP2 shards it (and gathers it for a step).
+        self.shared = None if shared is None else list(shared)
+        self._shared_built = None if shared is None else select_parameters(net, shared)
 
-    def surrogate(self, losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> torch.Tensor:
+    def surrogate(
+        self,
+        losses: Sequence[torch.Tensor],
+        params: Sequence[nn.Parameter],
+        shared: Sequence[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
         """Each task's gradient of cᵢ·Lᵢ (the configured weight), combined by `combine` into a surrogate loss.
 
         Outside autocast: the step's forward runs under mixed precision, but the rule's own arithmetic
@@ -147,7 +165,7 @@ class GradientBalancer(Balancer):
         """
         weighted = [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
         with torch.autocast(weighted[0].device.type, enabled=False):
-            grads = task_gradients(weighted, params, self.shared_parameters)
+            grads = task_gradients(weighted, params, shared if shared is not None else self._shared_built)
             return self.combine(grads, losses)
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:

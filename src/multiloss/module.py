@@ -76,6 +76,11 @@ class Recipe(L.LightningModule):
         """The callbacks that write this recipe's own outputs into the run dir (plots, samples)."""
         return []
 
+    def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
+        """The components whose step differentiates their parameters more than once (a gradient balancer's per-task
+        gradients, a gradient penalty): under FSDP2 held whole for their step (`multiloss.sharding.LocalGradients`)."""
+        return ()
+
     def not_compilable(self, name: str) -> str:
         """Why component ``name`` must stay eager under ``compile=true`` ('' if it can be compiled)."""
         return ""
@@ -130,6 +135,7 @@ class Recipe(L.LightningModule):
         self._rate_names: tuple[str, ...] | None = None  # the learning-rate columns, named as Lightning names them
         self._components_checked = False
         self._sharded = False  # configure_model has sharded the components (FSDP2)
+        self._held: dict[str, sharding.LocalGradients] = {}  # the components held whole for their step, by name
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
@@ -215,13 +221,14 @@ class Recipe(L.LightningModule):
         # Lightning's hook for building or wrapping the model once per fit, before the first step.
         trainer = self.attached_trainer
         if trainer is not None and sharding.is_sharded(trainer.strategy) and not self._sharded:
-            sharding.shard_components(
+            self._held = sharding.shard_components(
                 self,
                 self.components,
                 self.device_mesh["data_parallel"],
                 shard=self.fsdp["shard"],
                 checkpoint=self.fsdp["checkpoint"],
                 mp_policy=sharding.mixed_precision_policy(trainer),
+                held_whole=self.held_whole(trainer),
             )
             self._sharded = True
         if self.compile_components:
@@ -231,7 +238,7 @@ class Recipe(L.LightningModule):
         # FSDP2 reduces the gradients of the parameters it shards; any other (a balancer's) is averaged here,
         # as DDP would have averaged it.
         if self._sharded:
-            sharding.average_unsharded_gradients(self, self.mean_over_ranks)
+            sharding.average_unsharded_gradients(optimizer, self.mean_over_ranks)
 
     def run_component_check(self, batch: Any) -> None:
         run_check(self, self.check_components, batch)
@@ -259,8 +266,27 @@ class Recipe(L.LightningModule):
         return (batch_idx + 1) % self.accumulate_grad_batches == 0 or internals.epoch_ends(self.trainer)
 
     def gradient_sync(self, stepping: bool) -> Any:
-        """A block whose backward DDP all-reduces only when ``stepping``: micro-batches that do not step skip it."""
-        return _SYNC_AS_USUAL if stepping else internals.no_gradient_sync(self.trainer.strategy)
+        """A block whose backward DDP all-reduces only when ``stepping``: micro-batches that do not step skip it.
+        Under FSDP2, the components held whole hand their gradients over at its end (`whole_step`)."""
+        block = _SYNC_AS_USUAL if stepping else internals.no_gradient_sync(self.trainer.strategy)
+        if not self._held:
+            return block
+        stack = contextlib.ExitStack()
+        stack.enter_context(block)
+        stack.enter_context(self.whole_step(stepping))
+        return stack
+
+    def whole_step(self, stepping: bool, *names: str) -> Any:
+        """A block around the forward and backward(s) of components ``names`` (all held whole when none is named):
+        under FSDP2, their gradients are handed over at its end and averaged into the shards when ``stepping``
+        (`multiloss.sharding.LocalGradients`); nothing otherwise."""
+        held = [self._held[n] for n in names if n in self._held] if names else list(self._held.values())
+        if not held:
+            return _SYNC_AS_USUAL
+        stack = contextlib.ExitStack()
+        for component in held:
+            stack.enter_context(component.step(stepping))
+        return stack
 
     def clip_gradients(
         self,

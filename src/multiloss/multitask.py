@@ -20,8 +20,8 @@ from torch import nn
 
 from multiloss.balancers import Balanced, Balancer, Fixed, balance, save_balancer_state
 from multiloss.components import build_module, to_plain
-from multiloss.config import require
 from multiloss.module import Recipe
+from multiloss.task_gradients import select_parameters
 
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names a checkpoint's balancer was built for
 _FIXED = "multiloss.balancers.Fixed"
@@ -51,26 +51,12 @@ class MultiTaskRecipe(Recipe):
         self.balancer: Balancer | None
         self._observers: list[TaskLossObserver] | None = None
 
-    def check_sharding(self, trainer: L.Trainer) -> None:
-        super().check_sharding(trainer)
+    def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
+        # Each task's gradient of the net (a gradient balancer, the conflict monitor): one autograd.grad a task.
         target = (self.balancer_spec or {}).get("_target_")
-        require(
-            target is None or not getattr(get_object(target), "combines_gradients", False),
-            "model.balancer",
-            target,
-            "a balancer that weighs the losses (fixed, uncertainty, dwa) under sharded training, or trainer=ddp / "
-            "ddp_cpu for PCGrad, GradNorm, UPGrad and MGDA",
-            "it combines the tasks' gradients, which autograd.grad does not return for sharded parameters",
-        )
-        observers = [type(c).__name__ for c in trainer.callbacks if isinstance(c, TaskLossObserver)]
-        require(
-            not observers,
-            "monitor",
-            observers,
-            "none under sharded training (monitor=none), or trainer=ddp / ddp_cpu",
-            "the tasks' gradient cosines need each task's gradient, which autograd.grad does not return for "
-            "sharded parameters",
-        )
+        combines = target is not None and getattr(get_object(target), "combines_gradients", False)
+        observed = any(isinstance(c, TaskLossObserver) for c in trainer.callbacks)
+        return ("net",) if combines or observed else ()
 
     def configured_weights(self, names: list[str]) -> list[float]:
         """The configured weight of each task (``model.head_weights``, ``model.tasks.<name>.weight``)."""
@@ -82,7 +68,10 @@ class MultiTaskRecipe(Recipe):
 
     @property
     def shared_parameters(self) -> list[nn.Parameter] | None:
-        return None if self.balancer is None else self.balancer.shared_parameters
+        """The net's parameters a balancer's ``shared`` key names, as the net holds them now (sharded, or whole
+        during a step under FSDP2), or None (found: those more than one task reaches)."""
+        names = None if self.balancer is None else self.balancer.shared
+        return None if names is None else select_parameters(self.net, names)
 
     def set_tasks(self, names: list[str], key: str = "model.balancer") -> None:
         """Build the balancer for the tasks ``names`` (once; ``fixed``, the default: the configured weights).
@@ -108,8 +97,10 @@ class MultiTaskRecipe(Recipe):
             observer.observe_task_losses(self.trainer, self, losses)
         balancer = self.balancer
         assert balancer is not None, "set_tasks runs in the component check, before the first step"
-        params = list(self.net.parameters()) if balancer.combines_gradients else []  # only a surrogate needs them
-        balanced = balance(balancer, losses, params, self.current_epoch, self.mean_over_ranks)
+        # Only a surrogate needs them; read now, after the forward: under FSDP2 the net then holds its whole weights.
+        params = list(self.net.parameters()) if balancer.combines_gradients else []
+        shared = self.shared_parameters if balancer.combines_gradients else None
+        balanced = balance(balancer, losses, params, self.current_epoch, self.mean_over_ranks, shared)
         if balancer.adaptive:
             self.log_train_values(tuple(f"weight/{name}" for name in losses), balanced.weights)
         return balanced

@@ -18,6 +18,19 @@ What the step needs of the strategy: micro-batches that do not step skip the red
 (``set_requires_gradient_sync(False)``, FSDP2's ``no_sync``), and parameters outside every sharded
 unit (a balancer's) have their gradients averaged over the ranks before each optimizer step, as DDP
 would.
+
+A step that differentiates a component's parameters more than once — a gradient balancer's per-task
+``autograd.grad`` (PCGrad, GradNorm, UPGrad, MGDA), ``monitor=conflicts``, WGAN-GP's penalty (a
+double backward through the critic) — cannot run on FSDP2's own schedule: its first backward reshards
+the weights the next one needs, ``autograd.grad`` returns nothing for a sharded parameter, and its
+reduce-scatter is a hook that a surrogate backward never reaches. Such a component is *held whole for
+its step* (`LocalGradients`, the recipe names it: `Recipe.local_gradient_components`): gathered at its
+forward and kept until the step's gradients are taken, differentiated as on one device, its whole
+gradient accumulated on each rank over the micro-batches of an optimizer step, then reduce-scattered
+by hand into the sharded ``.grad`` (divided by the world size, as DDP averages) and the weights
+resharded. Each rank applies the rule to its own gradients, then they are averaged: DDP's result to
+the bit. At rest (optimizer state, parameters between steps, the optimizer's gradients) the component
+stays sharded; during its step it takes the memory of a DDP replica's parameters and gradients.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
@@ -60,7 +73,11 @@ class FSDPStrategy(ModelParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """FSDP2's no_sync: the sharded modules keep this backward's gradients unreduced (accumulated)."""
-        units = [m for m in self.lightning_module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        units = [
+            m
+            for m in self.lightning_module.modules()
+            if hasattr(m, "set_requires_gradient_sync") and not getattr(m, _HELD_WHOLE, False)
+        ]  # a component held whole (LocalGradients) never syncs on FSDP2's schedule: left alone
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
         try:
@@ -86,19 +103,84 @@ def shard_components(
     shard: Sequence[str] | None = None,
     checkpoint: Sequence[str] = (),
     mp_policy: Any = None,
-) -> None:
+    held_whole: Sequence[str] = (),
+) -> dict[str, LocalGradients]:
     """``fully_shard`` each component of ``module`` named in ``names`` on its own: the units ``shard`` picks (class
     names or fnmatch patterns of module names; None: each child with parameters), then the component's root.
-    `check_policy` has judged ``shard`` and ``checkpoint`` (`Recipe.check_sharding`, before the processes start)."""
+    `check_policy` has judged ``shard`` and ``checkpoint`` (`Recipe.check_sharding`, before the processes start).
+
+    The components in ``held_whole`` are gathered at their forward and kept whole until their step's gradients are
+    handed over (`LocalGradients`, returned by name)."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {})}
+    local = {}
     for name in names:
         component = getattr(module, name)
+        whole = name in held_whole
         _checkpoint_activations(component, checkpoint)
         for unit in _units(component, shard):  # innermost first: a unit inside another is sharded before it
-            fully_shard(unit, **kwargs)
-        fully_shard(component, **kwargs)
+            fully_shard(unit, **kwargs, **({"reshard_after_forward": False} if whole else {}))
+        fully_shard(component, **kwargs, **({"reshard_after_forward": False} if whole else {}))
+        if whole:
+            local[name] = LocalGradients(component)
+    return local
+
+
+_HELD_WHOLE = "_multiloss_held_whole"  # marks the FSDP units of a component LocalGradients holds
+
+
+class LocalGradients:
+    """A sharded component held whole for its step: differentiated as on one device, its gradients reduce-scattered
+    by hand (see the module's docstring for why).
+
+    ``with held.step(stepping):`` around the component's forward and backward(s): on entry, a component another
+    network's step left whole (a GAN's G step through D, with D's weights frozen) drops those gradients and is
+    resharded, so that its forward gathers it with the ``requires_grad`` its optimizer's toggle gives; at the exit, this step's
+    gradients are added to the whole-gradient sum of the optimizer step, the weights resharded, and — when
+    ``stepping`` — the sum averaged over the ranks into each sharded parameter's ``.grad``.
+    """
+
+    def __init__(self, component: nn.Module) -> None:
+        self.component = component
+        self.units = [m for m in component.modules() if hasattr(m, "reshard")]
+        for unit in self.units:
+            setattr(unit, _HELD_WHOLE, True)
+            # FSDP2 reduces nothing and reshards nothing in the backward: `hand_over` does both.
+            unit.set_requires_gradient_sync(False, recurse=False)
+            unit.set_reshard_after_backward(False, recurse=False)
+        self.sums: dict[str, torch.Tensor] = {}  # parameter name -> this rank's whole gradient since the last step
+
+    @contextmanager
+    def step(self, stepping: bool) -> Generator[None, None, None]:
+        for param in self.component.parameters():
+            if not isinstance(param, DTensor):  # a whole weight (the component is gathered): not the optimizer's
+                param.grad = None
+        self._reshard()
+        yield
+        self.hand_over(stepping)
+
+    def _reshard(self) -> None:
+        for unit in self.units:
+            unit.reshard()  # the optimizer steps the shards; the next forward gathers the stepped weights
+
+    def hand_over(self, stepping: bool) -> None:
+        for name, param in self.component.named_parameters():
+            if not isinstance(param, DTensor) and param.grad is not None:
+                grad, param.grad = param.grad, None
+                self.sums[name] = grad if name not in self.sums else self.sums[name] + grad
+        self._reshard()
+        if not stepping:
+            return
+        for name, param in self.component.named_parameters():  # sharded again: DTensors, the same order on each rank
+            # A parameter this rank's step did not reach gives zeros: every rank joins every collective.
+            whole = self.sums.pop(name, None)
+            whole = torch.zeros(param.shape, dtype=param.dtype, device=param.device) if whole is None else whole
+            mesh = param.device_mesh
+            # Divided first, then summed over the ranks (DDP's order): a reduce-scatter to this rank's shard.
+            summed = DTensor.from_local(whole.to(param.dtype) / mesh.size(), mesh, [Partial()])
+            shard = summed.redistribute(mesh, param.placements)
+            param.grad = shard if param.grad is None else param.grad + shard
 
 
 def check_policy(
@@ -166,12 +248,13 @@ def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def average_unsharded_gradients(module: nn.Module, reduce: Any) -> None:
-    """Average over the ranks the gradients of ``module``'s parameters that no sharded unit owns (FSDP2 leaves them
+def average_unsharded_gradients(optimizer: Any, reduce: Any) -> None:
+    """Average over the ranks the gradients of ``optimizer``'s parameters that no sharded unit owns (FSDP2 leaves them
     alone; DDP would have averaged them): a balancer's weights. One collective a tensor; nothing if there are none."""
-    for param in module.parameters():
-        if param.grad is not None and not isinstance(param, DTensor):
-            param.grad.copy_(reduce(param.grad))
+    for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+        for param in group["params"]:
+            if param.grad is not None and not isinstance(param, DTensor):
+                param.grad.copy_(reduce(param.grad))
 
 
 def mixed_precision_policy(trainer: Any) -> Any:
@@ -192,10 +275,6 @@ def check_sharded_run(precision: str, accelerator: str) -> None:
             "32-true with trainer=fsdp_cpu (or trainer=fsdp on GPUs for bf16)",
             "gloo, the CPU's backend, has no bf16 collectives for FSDP's reduce-scatter",
         )
-
-
-def unsharded_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if not isinstance(p, DTensor)]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
