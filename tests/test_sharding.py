@@ -178,9 +178,10 @@ def _stopped(out: Path, *overrides: str) -> None:
 
 
 def test_a_sharded_run_stopped_at_every_kind_of_stop_ends_as_the_straight_run(tmp_path):
-    """The WGAN-GP (two optimizers, each on its own network's shards, the critic held whole) under a warm-up cosine: SIGTERM mid-epoch 0,
-    SIGTERM on its last batch, an epoch end, ``max_steps`` mid-epoch 2, then the end — each continued with
-    ``ckpt_path=last`` from the sharded checkpoint — ends with the weights and rates of a run never stopped."""
+    """The WGAN-GP (two optimizers, each on its own network's shards, the critic held whole) under a warm-up cosine:
+    SIGTERM mid-epoch 0, SIGTERM on its last batch, an epoch end, ``max_steps`` mid-epoch 2, then the end — each
+    continued with ``ckpt_path=last`` from the sharded checkpoint — ends with the weights and rates of a run never
+    stopped."""
     common = (*GAN_RESUMED, *SCHEDULE, *FSDP, "trainer.log_every_n_steps=1", "data.shuffle=false")
     straight = _train(tmp_path / "straight", *common, "trainer.max_epochs=3")
     run = tmp_path / "run"

@@ -136,8 +136,8 @@ class LocalGradients:
 
     ``with held.step(stepping):`` around the component's forward and backward(s): on entry, a component another
     network's step left whole (a GAN's G step through D, with D's weights frozen) drops those gradients and is
-    resharded, so that its forward gathers it with the ``requires_grad`` its optimizer's toggle gives; at the exit, this step's
-    gradients are added to the whole-gradient sum of the optimizer step, the weights resharded, and — when
+    resharded, so that its forward gathers it with the ``requires_grad`` its optimizer's toggle gives; at the exit,
+    this step's gradients are added to the whole-gradient sum of the optimizer step, the weights resharded, and — when
     ``stepping`` — the sum averaged over the ranks into each sharded parameter's ``.grad``.
     """
 
