@@ -23,7 +23,8 @@
   parameters, gradients and optimizer state that a DDP rank holds whole (law: sharded bytes a rank =
   DDP's / world size, up to the parameters no unit shards). ``recipe=multihead`` (Adam) on a trunk of
   6 × 4096 dense blocks (84 M parameters), 2 ranks, batch 512 a rank, with and without activation
-  checkpointing of the blocks (``model.fsdp.checkpoint=[Sequential]``); per rank: the bytes of its
+  checkpointing of the blocks (``model.fsdp.checkpoint=[Sequential]``), and with ``balancer=pcgrad`` (the
+  net held whole for its step: its parameters gathered and each head's whole gradient); per rank: the bytes of its
   parameters, gradients (at the optimizer step) and optimizer state, its peak resident memory (CPU) or
   ``torch.cuda.max_memory_allocated`` (CUDA), and the median step time.
 
@@ -61,7 +62,13 @@ WHOLE_FORWARD_LENGTHS = (1536, 3072, 6144)  # 12k: 7.2 GB of logits alone
 # (width, depth, batch a rank, dense blocks' extras): a wide trunk, whose training state dominates (84 M parameters,
 # 1.3 GB with Adam's state), and a deep narrow one at a large batch, with BatchNorm and dropout, whose activations
 # do (each block keeps four tensors for the backward; checkpointed, only its input).
-SHARDED_NETS = ((4096, 6, 1024, ()), (1024, 16, 2048, ("model.net.batch_norm=true", "model.net.dropout=0.1")))
+# (width, depth, batch a rank, overrides, what the row is, whether to checkpoint the blocks in a third row)
+SHARDED_NETS = (
+    (4096, 6, 1024, (), "", True),
+    (1024, 16, 2048, ("model.net.batch_norm=true", "model.net.dropout=0.1"), " (BN, dropout)", True),
+    # A gradient balancer: the net held whole for its step (one autograd.grad a head, 3 heads).
+    (4096, 3, 512, ("balancer=pcgrad",), ", PCGrad", False),
+)
 SHARDED_STEPS = 4
 
 
@@ -456,14 +463,15 @@ def sharding_law(device: str) -> None:
         "| training state | × DDP's | forward + backward | peak | peak above start | s / step |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for width, depth, batch, extras in SHARDED_NETS:
+    for width, depth, batch, extras, label, with_checkpointing in SHARDED_NETS:
         state_ddp = None
-        for trainer, checkpointed in ((trainers[0], False), (trainers[1], False), (trainers[1], True)):
+        runs = ((trainers[0], False), (trainers[1], False), *(((trainers[1], True),) if with_checkpointing else ()))
+        for trainer, checkpointed in runs:
             r = run_sharded_case(device, trainer, checkpointed, width, depth, batch, extras)["ranks"][0]
             state = r["params"] + r["grads"] + r["optimizer"]
             state_ddp = state_ddp or state
             print(
-                f"| {depth} × {width}{' (BN, dropout)' if extras else ''}, {r['numel'] / 1e6:.1f} M, {batch} "
+                f"| {depth} × {width}{label}, {r['numel'] / 1e6:.1f} M, {batch} "
                 f"| {trainer} "
                 f"| {'blocks' if checkpointed else 'off'} | {mib(r['params'])} | {mib(r['grads'])} "
                 f"| {mib(r['optimizer'])} | {mib(state)} | {state / state_ddp:.3f} | {mib(r['backward'])} "
