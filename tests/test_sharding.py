@@ -116,7 +116,12 @@ def _worst(a: Path, b: Path) -> float:
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if isinstance(wa[k], torch.Tensor))
 
 
-@pytest.mark.parametrize("case", sorted(RECIPES))
+# Not compared again: multihead and weighted with fixed weights (their steps run in multihead-mgda, multihead-
+# checkpointed, weighted-uncertainty and weighted-upgrad, with the default units in the last three).
+COMPARED = sorted(set(RECIPES) - {"multihead", "weighted"})
+
+
+@pytest.mark.parametrize("case", COMPARED)
 def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
     common = (*RECIPES[case], *(corpus if case == "tbptt" else ()))
     counter = ("+callbacks.count._target_=tests.helpers.ReduceScatterCounter", f"+callbacks.count.dirpath={tmp_path}")
@@ -138,13 +143,6 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
             run = _train(tmp_path / f"resumed-{name}", *again, "trainer.max_epochs=2")
             _train(run, *again, "trainer.max_epochs=3", "ckpt_path=last")
             assert _worst(straight, run) == 0.0, name
-    if case == "weighted-pcgrad":
-        # Held whole, resumed: PCGrad's shuffled order (its generator, in the sharded checkpoint) and the monitor's
-        # counts continue from a SIGTERM mid-run to the straight sharded run's weights.
-        run = tmp_path / "resumed"
-        _stopped(run, *common, *FSDP, *_signal_at(3))
-        _train(run, *common, *FSDP, "ckpt_path=last")
-        assert _worst(sharded, run) == 0.0
     if case == "accumulation":
         # The micro-batch that does not step skips the reduce-scatter: one a sharded unit an optimizer step.
         for rank in (0, 1):
@@ -240,24 +238,6 @@ def test_tbptt_streams_sharded_resume_mid_epoch_keeps_the_carried_state(tmp_path
 EVAL = (sys.executable, str(ROOT / "eval.py"))
 
 
-def test_a_sharded_checkpoint_evaluates_on_one_process_as_under_fsdp(tmp_path):
-    trained = _train(tmp_path / "train", *RECIPES["multihead"], *FSDP)
-    ckpt = trained / "checkpoints/last.ckpt"
-    metrics = {}
-    for name, trainer in (("fsdp", ()), ("one", ("trainer=cpu",))):
-        proc = subprocess.run(
-            # The whole validation set: limit_val_batches counts a rank's batches.
-            [*EVAL, f"ckpt_path={ckpt}", *trainer, "trainer.limit_val_batches=1.0", f"hydra.run.dir={tmp_path / name}"],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        metrics[name] = [line for line in proc.stdout.split("final values")[1].splitlines() if "val/" in line]
-    assert metrics["fsdp"] and metrics["fsdp"] == metrics["one"]
-
-
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -272,9 +252,9 @@ def test_what_fsdp2_cannot_do_is_refused_before_a_process_starts(make_cfg, tmp_p
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_sharded_checkpoint_continues_under_ddp_to_the_sharded_runs_weights(tmp_path):
+def test_a_sharded_checkpoint_continues_under_ddp_and_evaluates_on_one_process_as_under_fsdp(tmp_path):
     """Out of room no more (or moved to a DDP cluster): epoch 1 under FSDP2, epoch 2 under DDP from its sharded
-    last.ckpt, read whole."""
+    last.ckpt, read whole; and that checkpoint evaluated under FSDP2 and on one process gives the same metrics."""
     common = (*RECIPES["multihead"][:-1], "data.batch_size=256", "callbacks.model_checkpoint.epoch_save_seconds=0")
     straight = _train(tmp_path / "straight", *common, *FSDP, "trainer.max_epochs=2")
     first = _train(tmp_path / "first", *common, *FSDP, "trainer.max_epochs=1")
@@ -282,3 +262,23 @@ def test_a_sharded_checkpoint_continues_under_ddp_to_the_sharded_runs_weights(tm
         tmp_path / "moved", *common, *DDP, "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints/last.ckpt'}"
     )
     assert _worst(straight, moved) == 0.0
+
+    metrics = {}
+    for name, trainer in (("fsdp", ()), ("one", ("trainer=cpu",))):
+        proc = subprocess.run(
+            # The whole validation set: limit_val_batches counts a rank's batches.
+            [
+                *EVAL,
+                f"ckpt_path={first / 'checkpoints/last.ckpt'}",
+                *trainer,
+                "trainer.limit_val_batches=1.0",
+                f"hydra.run.dir={tmp_path / name}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics[name] = [line for line in proc.stdout.split("final values")[1].splitlines() if "val/" in line]
+    assert metrics["fsdp"] and metrics["fsdp"] == metrics["one"]
