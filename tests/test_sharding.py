@@ -76,17 +76,19 @@ RECIPES = {
     "multihead-mgda": ("recipe=multihead", "balancer=mgda", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
     "accumulation": ("recipe=accumulation", *SMALL_NET, "model.accumulate_grad_batches=2", "trainer.max_steps=4"),
     "gan": (*GAN, "data.n_samples=1024", "data.batch_size=128", "trainer.max_steps=12"),
-    # WGAN-GP: the penalty's double backward through a critic held whole for its step; G on the critic's noise.
+    # WGAN-GP: the penalty's double backward through a critic held whole for its step, 2 micro-batches a step (its
+    # whole gradient summed before the reduce-scatter); G on the critic's noise.
     "gan-wgan-gp": (
         "recipe=gan",
         "model.loss=wgan-gp",
         "model.gp_weight=0.1",
         "model.n_critic=2",
         "model.g_input=same_z",
+        "model.accumulate_grad_batches=2",
         *SMALL_GAN,
         "model.n_plot_samples=0",
         "data.n_samples=1024",
-        "data.batch_size=128",
+        "data.batch_size=64",
         "trainer.max_steps=12",
     ),
     "tbptt": ("recipe=tbptt", "data=text", "data.level=chars", "data.layout=streams", "data.batch_size=4"),
