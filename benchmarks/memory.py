@@ -24,7 +24,8 @@
   DDP's / world size, up to the parameters no unit shards). ``recipe=multihead`` (Adam) on a trunk of
   6 × 4096 dense blocks (84 M parameters), 2 ranks, batch 512 a rank, with and without activation
   checkpointing of the blocks (``model.fsdp.checkpoint=[Sequential]``), and with ``balancer=pcgrad`` (the
-  net held whole for its step: its parameters gathered and each head's whole gradient); per rank: the bytes of its
+  net held whole for its step: its parameters gathered and each head's whole gradient; with
+  ``model.balancer.scope=global``, the rule on the shards); per rank: the bytes of its
   parameters, gradients (at the optimizer step) and optimizer state, its peak resident memory (CPU) or
   ``torch.cuda.max_memory_allocated`` (CUDA), and the median step time.
 
@@ -68,6 +69,8 @@ SHARDED_NETS = (
     (1024, 16, 2048, ("model.net.batch_norm=true", "model.net.dropout=0.1"), " (BN, dropout)", True),
     # A gradient balancer: the net held whole for its step (one autograd.grad a head, 3 heads).
     (4096, 3, 512, ("balancer=pcgrad",), ", PCGrad", False),
+    # The rule on the shards: each head's gradient reduce-scattered, never a whole weight or gradient.
+    (4096, 3, 512, ("balancer=pcgrad", "model.balancer.scope=global"), ", PCGrad global", False),
 )
 SHARDED_STEPS = 4
 

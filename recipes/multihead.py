@@ -148,7 +148,8 @@ class MultiHead(MultiTaskRecipe):
             # One backward: autograd sums the heads' contributions where they meet in the trunk. (PCGrad & co.:
             # a scalar whose gradient is their combination of the heads' gradients.)
             loss = balanced.total if balanced.surrogate is None else balanced.surrogate
-            self.manual_backward(loss if k == 1 else loss / k)
+            if not balanced.backwarded:  # (scope=global under FSDP2: the rule wrote the shards' .grad itself)
+                self.manual_backward(loss if k == 1 else loss / k)
         self.log_losses({**per_head, "total": balanced.total.detach()}, batch_size=len(batch["y"]))
         if stepping:
             self.clip_gradients(opt)

@@ -188,7 +188,9 @@ class WeightedMultiTask(MultiTaskRecipe):
         with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
             _, per_task = self.outputs_and_losses(batch)
             balanced = self.balance(per_task)  # the weights: the configured ones, or the balancer's
-            if balanced.surrogate is not None:  # PCGrad & co.: a scalar whose gradient is their combination
+            if balanced.backwarded:  # PCGrad & co. with scope=global under FSDP2: the rule wrote the shards' .grad
+                pass
+            elif balanced.surrogate is not None:  # PCGrad & co.: a scalar whose gradient is their combination
                 self.manual_backward(balanced.surrogate if k == 1 else balanced.surrogate / k)
             elif balanced.extra is None:  # one pass seeded with the weights: Σ wᵢ·∇lossᵢ, the graph walked once
                 self.manual_backward(balanced.losses / k if k > 1 else balanced.losses, gradient=balanced.weights)

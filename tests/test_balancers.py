@@ -492,3 +492,56 @@ def test_gradnorm_keeps_its_weights_summing_to_the_task_count(make_cfg, tmp_path
     sums = [sum(float(r[f"weight/{t}"]) for t in ("digit", "parity", "ink")) for r in rows]
     assert sums == pytest.approx([3.0] * len(rows), abs=1e-5)
     assert len({r["weight/ink"] for r in rows}) > 1  # and they move
+
+
+@pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
+@pytest.mark.parametrize("name", ["pcgrad", "gradnorm", "upgrad", "mgda"])
+def test_each_gradient_rule_from_the_gramian_alone_equals_the_rule_on_the_gradients(name):
+    """What the sharded rule (``scope=global`` under FSDP2) computes from the tasks' Gramian — coefficients of their
+    gradients, and GradNorm's own term — gives the surrogate's gradient on the trunk, the heads and the balancer."""
+    from torchjd.aggregation import UPGrad
+
+    from multiloss.balancers import GradNorm, JacobianDescent, PCGrad
+    from multiloss.min_norm import exact_mgda
+    from multiloss.task_gradients import task_gradients
+
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(4, 5).double()
+    heads = torch.nn.ModuleList([torch.nn.Linear(5, 1).double() for _ in range(3)])
+    x = torch.randn(16, 4, dtype=torch.float64)
+    params = [*trunk.parameters(), *heads.parameters()]
+    tasks, base = ["a", "b", "c"], [1.0, 2.0, 0.5]
+    make = {
+        "pcgrad": lambda: PCGrad(tasks, base, seed=3),
+        "gradnorm": lambda: GradNorm(tasks, base),
+        "upgrad": lambda: JacobianDescent(tasks, base, UPGrad()),
+        "mgda": lambda: JacobianDescent(tasks, base, exact_mgda()),
+    }[name]
+
+    def losses() -> list[torch.Tensor]:
+        h = torch.tanh(trunk(x))
+        return [(heads[i](h) - i).pow(2).mean() * (i + 1) for i in range(3)]
+
+    on_gradients, on_gramian = make(), make()
+    found = losses()
+    on_gradients.weights(torch.stack(found).detach())
+    on_gradients.surrogate(found, params).backward()
+    expected = {id(p): p.grad.clone() for p in params}
+
+    found = losses()
+    on_gramian.weights(torch.stack(found).detach())
+    grads = task_gradients([c * loss for c, loss in zip(on_gramian.base, found)], params)
+    rule = on_gramian.gramian_rule(grads.vectors @ grads.vectors.T, found)
+    combined, offset = rule.shared @ grads.vectors, 0
+    got: dict[int, torch.Tensor] = {}
+    for p in grads.shared:
+        got[id(p)] = combined[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    for p, g, task in grads.own:
+        got[id(p)] = got.get(id(p), 0) + rule.own[task] * g
+    assert grads.shared and len(got) == len(params)
+    for p in params:
+        assert torch.allclose(got[id(p)], expected[id(p)], atol=1e-12)
+    if rule.extra is not None:  # GradNorm's weights: the same gradient from the Gramian's diagonal
+        rule.extra.backward()
+        assert torch.allclose(on_gramian.task_weight.grad, on_gradients.task_weight.grad, atol=1e-12)

@@ -139,12 +139,11 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
     if case == "weighted-dwa":
         # DWA's running sums (a dict of extra state: flattened key by key in a sharded checkpoint) continue
         # exactly from an epoch end: the epoch's mean is the ranks' summed sums over the count, so a resume from
-        # their mean gives the same bits. Under both strategies, against the runs above.
-        for name, trainer, straight in (("fsdp", FSDP, sharded), ("ddp", DDP, replicated)):
-            again = (*common[:-1], *trainer, "callbacks.model_checkpoint.epoch_save_seconds=0")
-            run = _train(tmp_path / f"resumed-{name}", *again, "trainer.max_epochs=2")
-            _train(run, *again, "trainer.max_epochs=3", "ckpt_path=last")
-            assert _worst(straight, run) == 0.0, name
+        # their mean gives the same bits (the ranks' reduce is DDP's too). Against the straight run above.
+        again = (*common[:-1], *FSDP, "callbacks.model_checkpoint.epoch_save_seconds=0")
+        run = _train(tmp_path / "resumed", *again, "trainer.max_epochs=2")
+        _train(run, *again, "trainer.max_epochs=3", "ckpt_path=last")
+        assert _worst(sharded, run) == 0.0
     if case == "accumulation":
         # The micro-batch that does not step skips the reduce-scatter: one a sharded unit an optimizer step.
         for rank in (0, 1):
@@ -154,6 +153,25 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
 
 
 # WGAN-GP, its critic held whole for its step (the penalty's double backward): 12 steps an epoch.
+@pytest.mark.parametrize(("recipe", "balancer"), [("weighted", "pcgrad"), ("multihead", "gradnorm")])
+def test_the_sharded_rule_is_one_devices_rule_on_the_global_batch(tmp_path, recipe, balancer):
+    """``model.balancer.scope=global`` under FSDP2: each task's gradient reduce-scattered, the rule from the Gramian of
+    the shards (the net never held whole): 2 ranks × 64 end with the weights of one device on batches of 128. Under
+    DDP (PCGrad) the same scope all-reduces the task gradients: the same weights again. SGD: equal gradients, equal
+    weights."""
+    common = (f"recipe={recipe}", f"balancer={balancer}", *SMALL_NET, "optimizer=sgd", "trainer.max_steps=6")
+    sharded = _train(tmp_path / "fsdp", *common, "model.balancer.scope=global", "data.batch_size=64", *FSDP)
+    one = _train(tmp_path / "one", *common, "data.batch_size=128", "trainer=cpu")
+    worst = _worst(sharded, one)
+    print(f"{balancer} scope=global: FSDP2 2 x 64 vs one device x 128, largest weight difference {worst:.2g}")
+    assert worst <= 1e-5
+    if balancer == "pcgrad":
+        replicated = _train(tmp_path / "ddp", *common, "model.balancer.scope=global", "data.batch_size=64", *DDP)
+        worst = _worst(replicated, one)
+        print(f"{balancer} scope=global: DDP 2 x 64 vs one device x 128, largest weight difference {worst:.2g}")
+        assert worst <= 1e-5
+
+
 GAN_RESUMED = (
     "recipe=gan",
     "model.loss=wgan-gp",
@@ -245,6 +263,10 @@ EVAL = (sys.executable, str(ROOT / "eval.py"))
     [
         (("recipe=multihead", "trainer.precision=bf16-mixed"), "trainer.precision"),
         (("recipe=multihead", "model.fsdp.shard=[NoSuchBlock]"), "model.fsdp.shard"),
+        (
+            ("recipe=weighted", "balancer=pcgrad", "model.balancer.scope=global", "model.accumulate_grad_batches=2"),
+            "model.balancer.scope",
+        ),
     ],
 )
 def test_what_fsdp2_cannot_do_is_refused_before_a_process_starts(make_cfg, tmp_path, overrides, key):

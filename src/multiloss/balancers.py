@@ -105,6 +105,18 @@ class Balanced:
     extra: torch.Tensor | None  # the balancer's own term, backwarded with weight 1 (graph on), or None
     surrogate: torch.Tensor | None  # a gradient balancer's scalar to backward instead of the weighted losses
     total: torch.Tensor  # Σ wᵢ·Lᵢ (+ the balancer's term): the step's total, graph on (detach it to log it)
+    backwarded: bool = False  # the step's gradient is in .grad already (the sharded rule): the recipe backwards nothing
+
+
+@dataclass
+class GramianRule:
+    """A gradient balancer's step as coefficients of the tasks' gradients gᵢ (of cᵢ·Lᵢ), from their Gramian: the shared
+    parameters get Σᵢ ``shared[i]``·gᵢ, every other parameter Σᵢ ``own[i]``·gᵢ; ``extra``: a term whose backward
+    trains the balancer's own parameters (GradNorm's weights), or None."""
+
+    shared: torch.Tensor
+    own: torch.Tensor
+    extra: torch.Tensor | None = None
 
 
 def balance(
@@ -114,15 +126,18 @@ def balance(
     epoch: int,
     reduce: Reduce,
     shared: Sequence[nn.Parameter] | None = None,
+    with_surrogate: bool = True,
 ) -> Balanced:
     """The balancer protocol of one training step, in the order it must run: the epoch it belongs to, the weights
     for the detached losses, the balancer's own term, and a gradient balancer's surrogate of ``params``' gradient
-    (``shared``: the parameters its ``shared`` key names)."""
+    (``shared``: the parameters its ``shared`` key names; ``with_surrogate=False``: the caller applies the rule
+    itself, `multiloss.sharded_rule`)."""
     balancer.start_epoch(epoch, reduce)
     stacked = torch.stack(list(losses.values()))
     weights = balancer.weights(stacked.detach())
     extra = balancer.extra(stacked)
-    surrogate = balancer.surrogate(list(losses.values()), params, shared) if balancer.combines_gradients else None
+    combines = balancer.combines_gradients and with_surrogate
+    surrogate = balancer.surrogate(list(losses.values()), params, shared) if combines else None
     total = (weights.to(stacked.dtype) * stacked).sum()
     return Balanced(stacked, weights, extra, surrogate, total if extra is None else total + extra)
 
@@ -134,6 +149,12 @@ class GradientBalancer(Balancer):
     parameters (``[trunk.1]``: the shipped trunk's last layer, GradNorm's "last shared layer"); null
     finds them (those more than one task's loss reaches). Any other parameter gets each task's
     weighted gradient, summed. ``net``: the recipe's network, passed by the recipe to resolve the names.
+
+    ``scope``: whose gradients the rule sees on several ranks. ``rank`` (default): each rank's own batch's, the
+    results then averaged — DDP's way, and the papers' code on one device's batch. ``global``: each task's gradient
+    of the whole global batch (averaged over the ranks first: one all-reduce of the task gradients a step), so the
+    rule is the one a single device would apply to the global batch whatever the number of ranks; under FSDP2 the
+    rule then runs on the shards (`multiloss.sharded_rule`: the net is not held whole). One device: the same.
     """
 
     adaptive = False
@@ -145,12 +166,24 @@ class GradientBalancer(Balancer):
         base: Sequence[float],
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
+        scope: str = "rank",
     ) -> None:
         super().__init__(tasks, base)
         require(shared is None or net is not None, "shared", shared, "null, unless the recipe passes its net")
+        require(
+            scope in ("rank", "global"),
+            "scope",
+            scope,
+            "rank (each rank's own gradients, then averaged: DDP's way) or global (the global batch's gradients)",
+        )
+        self.scope = scope
         # Names, judged now: the net's parameter objects change when FSDP2 shards it (and gathers it for a step).
         self.shared = None if shared is None else list(shared)
         self._shared_built = None if shared is None else select_parameters(net, shared)
+        self._mean_over_ranks: Reduce | None = None
+
+    def start_epoch(self, epoch: int, reduce: Reduce) -> None:
+        self._mean_over_ranks = reduce
 
     def surrogate(
         self,
@@ -166,10 +199,17 @@ class GradientBalancer(Balancer):
         weighted = [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
         with torch.autocast(weighted[0].device.type, enabled=False):
             grads = task_gradients(weighted, params, shared if shared is not None else self._shared_built)
+            if self.scope == "global" and self._mean_over_ranks is not None:
+                grads = grads.averaged(self._mean_over_ranks)  # the global batch's: every rank then agrees
             return self.combine(grads, losses)
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         """The surrogate loss (`multiloss.task_gradients.gradient_surrogate`) of this step's tasks' gradients."""
+        raise NotImplementedError
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        """This step's rule from the tasks' Gramian on the shared parameters (gᵢ·gⱼ): what `combine` does, as
+        coefficients of the tasks' gradients (the sharded rule: the gradients themselves are spread over the ranks)."""
         raise NotImplementedError
 
 
@@ -304,8 +344,9 @@ class PCGrad(GradientBalancer):
         seed: int = 0,
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
+        scope: str = "rank",
     ) -> None:
-        super().__init__(tasks, base, shared, net)
+        super().__init__(tasks, base, shared, net, scope)
         self.shuffle = bool(shuffle)
         self.generator = torch.Generator().manual_seed(int(seed))
 
@@ -314,6 +355,10 @@ class PCGrad(GradientBalancer):
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         return gradient_surrogate(grads, pcgrad(grads.vectors, self.orders(len(self.tasks))))
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        coefficients = pcgrad_coefficients(gramian, self.orders(len(self.tasks)))
+        return GramianRule(coefficients, torch.ones_like(coefficients))
 
     def orders(self, n: int) -> list[list[int]]:
         """For each task, the other tasks in the order they are projected against."""
@@ -326,6 +371,21 @@ class PCGrad(GradientBalancer):
 
     def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
+
+
+def pcgrad_coefficients(gramian: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Σᵢ PCGrad(gᵢ) as coefficients of the gᵢ, from their Gramian alone: `pcgrad`'s projections, each gᵢ kept as
+    its coefficients a (gᵢ = Σₘ aₘ·gₘ, so gᵢ·gⱼ = (a·G)ⱼ)."""
+    n = len(gramian)
+    total = gramian.new_zeros(n)
+    tiny = torch.finfo(gramian.dtype).tiny
+    for i, order in enumerate(orders):
+        a = gramian.new_zeros(n)
+        a[i] = 1.0
+        for j in order:
+            a[j] = a[j] - torch.clamp(a @ gramian[:, j], max=0) / gramian[j, j].clamp_min(tiny)
+        total = total + a
+    return total
 
 
 def pcgrad(vectors: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -362,8 +422,9 @@ class JacobianDescent(GradientBalancer):
         aggregator: Callable[[torch.Tensor], torch.Tensor],
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
+        scope: str = "rank",
     ) -> None:
-        super().__init__(tasks, base, shared, net)
+        super().__init__(tasks, base, shared, net, scope)
         require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
         self.aggregator = aggregator
 
@@ -372,6 +433,20 @@ class JacobianDescent(GradientBalancer):
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         return gradient_surrogate(grads, self.aggregator(grads.vectors))
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        # torchjd's Gramian-weighted aggregators (UPGrad, MGDA, ...) are a weighting of the Gramian: J ↦ Jᵀ·w(JJᵀ).
+        weighting = getattr(self.aggregator, "gramian_weighting", None)
+        require(
+            weighting is not None,
+            "model.balancer.aggregator",
+            type(self.aggregator).__name__,
+            "an aggregator torchjd defines by a Gramian weighting (UPGrad, MGDA, ...) for scope=global under FSDP, "
+            "or model.balancer.scope=rank",
+            "the sharded rule sees the tasks' Gramian, not their gradients",
+        )
+        coefficients = weighting(gramian)
+        return GramianRule(coefficients, torch.ones_like(coefficients))
 
 
 class GradNorm(GradientBalancer):
@@ -397,17 +472,14 @@ class GradNorm(GradientBalancer):
         min_weight: float = 1e-3,
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
+        scope: str = "rank",
     ) -> None:
-        super().__init__(tasks, base, shared, net)
+        super().__init__(tasks, base, shared, net, scope)
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
         require(0 < min_weight < 1, "min_weight", min_weight, "a number in (0, 1): the least weight a task keeps")
         self.alpha, self.min_weight = float(alpha), float(min_weight)
         self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
         self.initial_losses = torch.full((len(self.tasks),), math.nan)  # extra state: not broadcast by DDP
-        self._mean_over_ranks: Reduce | None = None
-
-    def start_epoch(self, epoch: int, reduce: Reduce) -> None:
-        self._mean_over_ranks = reduce
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # positive, then the paper's renormalisation: Σ wᵢ = K after every update
@@ -416,23 +488,32 @@ class GradNorm(GradientBalancer):
         return self.base * self.task_weight.detach()
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        own = self._own_term(grads.vectors.float().norm(dim=1), losses)  # ‖∇_W cᵢLᵢ‖
+        weighted = grads.scaled(self.task_weight.detach())
+        # The net's gradient Σ wᵢ·∇(cᵢLᵢ), and the weights' own: the gradient of their loss, target held constant.
+        return gradient_surrogate(weighted, weighted.vectors.sum(0)) + own
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        own = self._own_term(gramian.diagonal().float().clamp_min(0).sqrt(), losses)
+        w = self.task_weight.detach().to(gramian.dtype)
+        return GramianRule(w, w, own)
+
+    def _own_term(self, norms: torch.Tensor, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The weights' loss for the shared gradients' norms ``norms``: its gradient is sign(Gᵢ - Ḡrᵢ^α)·normᵢ."""
         values = torch.stack([loss.detach().float() for loss in losses])
+        if self.scope == "global" and self._mean_over_ranks is not None:
+            values = self._mean_over_ranks(values)  # the global batch's losses, as its gradients
         if self.initial_losses.device != values.device:
             self.initial_losses = self.initial_losses.to(values.device)
         if bool(torch.isnan(self.initial_losses).any()):
             # The ranks' mean: the same Lᵢ(0) on every rank, so a resumed run (which loads rank
             # zero's) goes on as the straight one would.
             self.initial_losses = self._mean_over_ranks(values.clone()) if self._mean_over_ranks else values.clone()
-        w = self.task_weight.detach()
-        norms = grads.vectors.float().norm(dim=1)  # ‖∇_W cᵢLᵢ‖
-        g = w * norms
+        g = self.task_weight.detach() * norms
         ratio = values / self.initial_losses
         target = g.mean() * (ratio / ratio.mean()) ** self.alpha
         weight_grad = torch.sign(g - target) * norms
-        weighted = grads.scaled(w)
-        # The net's gradient Σ wᵢ·∇(cᵢLᵢ), and the weights' own: the gradient of their loss, target held constant.
-        own = (self.task_weight * weight_grad.to(self.task_weight.dtype).detach()).sum()
-        return gradient_surrogate(weighted, weighted.vectors.sum(0)) + own
+        return (self.task_weight * weight_grad.to(self.task_weight.dtype).detach()).sum()
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         return {"initial_losses": self.initial_losses.cpu()}

@@ -406,3 +406,7 @@ class Recipe(L.LightningModule):
     def mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` averaged over the ranks (itself on one device): a collective, every rank calls it."""
         return self.trainer.strategy.reduce(tensor, reduce_op="mean")
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks (itself on one device): a collective, every rank calls it."""
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum")

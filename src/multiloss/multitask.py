@@ -20,7 +20,9 @@ from torch import nn
 
 from multiloss.balancers import Balanced, Balancer, Fixed, balance, save_balancer_state
 from multiloss.components import build_module, to_plain
+from multiloss.config import require
 from multiloss.module import Recipe
+from multiloss.sharded_rule import apply_sharded_rule
 from multiloss.task_gradients import select_parameters
 
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names a checkpoint's balancer was built for
@@ -52,11 +54,28 @@ class MultiTaskRecipe(Recipe):
         self._observers: list[TaskLossObserver] | None = None
 
     def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
-        # Each task's gradient of the net (a gradient balancer, the conflict monitor): one autograd.grad a task.
-        target = (self.balancer_spec or {}).get("_target_")
-        combines = target is not None and getattr(get_object(target), "combines_gradients", False)
+        # Each task's gradient of the net (a gradient balancer of scope rank, the conflict monitor): one autograd.grad
+        # a task on each rank's own batch. Scope global runs its rule on the shards instead (multiloss.sharded_rule).
+        rank_rule = self._combines_gradients() and (self.balancer_spec or {}).get("scope", "rank") == "rank"
         observed = any(isinstance(c, TaskLossObserver) for c in trainer.callbacks)
-        return ("net",) if combines or observed else ()
+        return ("net",) if rank_rule or observed else ()
+
+    def check_sharding(self, trainer: L.Trainer) -> None:
+        super().check_sharding(trainer)
+        scope = (self.balancer_spec or {}).get("scope")
+        require(
+            not (self._combines_gradients() and scope == "global" and self.accumulate_grad_batches > 1),
+            "model.balancer.scope",
+            scope,
+            f"rank with model.accumulate_grad_batches={self.accumulate_grad_batches} under sharded training, or "
+            "model.accumulate_grad_batches=1",
+            "the sharded rule reduce-scatters each task's gradient of a micro-batch that steps; micro-batches that "
+            "do not step keep whole gradients",
+        )
+
+    def _combines_gradients(self) -> bool:
+        target = (self.balancer_spec or {}).get("_target_")
+        return target is not None and getattr(get_object(target), "combines_gradients", False)
 
     def configured_weights(self, names: list[str]) -> list[float]:
         """The configured weight of each task (``model.head_weights``, ``model.tasks.<name>.weight``)."""
@@ -97,6 +116,11 @@ class MultiTaskRecipe(Recipe):
             observer.observe_task_losses(self.trainer, self, losses)
         balancer = self.balancer
         assert balancer is not None, "set_tasks runs in the component check, before the first step"
+        if self._sharded and balancer.combines_gradients and "net" not in self._held:  # scope global under FSDP2
+            balanced = balance(balancer, losses, [], self.current_epoch, self.mean_over_ranks, with_surrogate=False)
+            apply_sharded_rule(self.net, balancer, list(losses.values()), self.manual_backward, self.sum_over_ranks)
+            balanced.backwarded = True
+            return balanced
         # Only a surrogate needs them; read now, after the forward: under FSDP2 the net then holds its whole weights.
         params = list(self.net.parameters()) if balancer.combines_gradients else []
         shared = self.shared_parameters if balancer.combines_gradients else None

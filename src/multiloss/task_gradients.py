@@ -9,7 +9,7 @@ shared layer only, as in its paper), `select_parameters`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,16 @@ class TaskGradients:
     vectors: torch.Tensor  # (tasks, n): task i's gradient on the shared parameters, flattened
     # Every other parameter a task reaches, with that task's gradient and index (once per task reaching it).
     own: list[tuple[nn.Parameter, torch.Tensor, int]]
+
+    def averaged(self, mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> TaskGradients:
+        """Every gradient averaged over the ranks (the global batch's), in one collective."""
+        flat = torch.cat([self.vectors.reshape(-1), *(g.reshape(-1).to(self.vectors.dtype) for _, g, _ in self.own)])
+        flat = mean_over_ranks(flat)
+        vectors, offset, own = flat[: self.vectors.numel()].view_as(self.vectors), self.vectors.numel(), []
+        for p, g, task in self.own:
+            own.append((p, flat[offset : offset + g.numel()].view_as(g).to(g.dtype), task))
+            offset += g.numel()
+        return TaskGradients(self.shared, vectors, own)
 
     def scaled(self, weights: torch.Tensor) -> TaskGradients:
         """Every task's gradients times its weight (``weights[i]`` for task i)."""
