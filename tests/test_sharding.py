@@ -49,7 +49,13 @@ RECIPES = {
     ),
     "weighted": ("recipe=weighted", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
     # Two epochs: DWA's weights come from the previous epochs' losses.
-    "weighted-uncertainty": ("recipe=weighted", "balancer=uncertainty", *SMALL_NET, "data.batch_size=256"),
+    "weighted-uncertainty": (
+        "recipe=weighted",
+        "balancer=uncertainty",
+        *SMALL_NET,
+        "data.batch_size=64",
+        "trainer.max_steps=6",
+    ),
     "weighted-dwa": ("recipe=weighted", "balancer=dwa", *SMALL_NET, "data.batch_size=256", "trainer.max_epochs=3"),
     # The gradient balancers: the net held whole for its step (each task's autograd.grad), then reduce-scattered by
     # hand. PCGrad with the conflict monitor on rank zero; GradNorm on a named `shared` layer (parameters found by
