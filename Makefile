@@ -5,10 +5,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
-# Test workers (pytest-xdist): each imports torch once (~0.6 GB); the SLURM module stays on one. Three on 2 cores:
-# a distributed test spends much of its time starting processes one after another (measured: 14.9 min against
-# 16.7 min with two).
-PYTEST_WORKERS ?= 3
+# Test workers (pytest-xdist): each imports torch once (~0.6 GB); the SLURM module stays on one. Three on 2 cores
+# measured 14.9 min against 16.7, but one run in three lost a SLURM job to a rank aborting at exit under that load.
+PYTEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multiloss-installed
