@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist): each imports torch once (~0.6 GB); the SLURM module stays on one. Three on 2 cores
-# measured 14.9 min against 16.7, but one run in three lost a SLURM job to a rank aborting at exit under that load.
+# were no faster (14.9 min against 13.6) and one run in three lost a SLURM job to a rank aborting at exit.
 PYTEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
