@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from multiloss.balancers import GradientBalancer
-from multiloss.task_gradients import select_parameters
 
 
 def apply_sharded_rule(
@@ -27,9 +26,11 @@ def apply_sharded_rule(
     losses: Sequence[torch.Tensor],
     backward: Callable[..., None],
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+    shared: Sequence[nn.Parameter] | None = None,
 ) -> None:
     """Put the rule's gradient of ``losses`` (each task's own loss) into the sharded ``net``'s ``.grad`` (added to what
-    is there), and the balancer's own term's into its parameters'. ``backward``: the recipe's ``manual_backward``."""
+    is there), and the balancer's own term's into its parameters'. ``backward``: the recipe's ``manual_backward``;
+    ``shared``: the parameters the balancer's ``shared`` key names (None: those more than one task reaches)."""
     params = list(net.named_parameters())  # DTensors: the net is sharded between steps
     kept = {name: p.grad for name, p in params}
     per_task: list[dict[str, torch.Tensor | None]] = []
@@ -40,14 +41,14 @@ def apply_sharded_rule(
         backward(loss, retain_graph=i < len(weighted) - 1)
         per_task.append({name: p.grad for name, p in params})
     reached = {name: [t for t, grads in enumerate(per_task) if grads[name] is not None] for name, _ in params}
-    chosen = None if balancer.shared is None else {name for name, _ in _named(net, balancer.shared)}
-    shared = [name for name, _ in params if (len(reached[name]) > 1 if chosen is None else name in chosen)]
+    chosen = None if shared is None else {id(p) for p in shared}
+    shared_names = {name for name, p in params if (len(reached[name]) > 1 if chosen is None else id(p) in chosen)}
 
     with torch.autocast(weighted[0].device.type, enabled=False):
         rows = torch.stack(
             [
-                torch.cat([_local(grads[name], p).reshape(-1).float() for name, p in params if name in shared])
-                if shared
+                torch.cat([_local(grads[name], p).reshape(-1).float() for name, p in params if name in shared_names])
+                if shared_names
                 else weighted[0].new_zeros(0, dtype=torch.float32)
                 for grads in per_task
             ]
@@ -55,7 +56,7 @@ def apply_sharded_rule(
         gramian = sum_over_ranks(rows @ rows.T)  # each rank's shards' dot products, completed
         rule = balancer.gramian_rule(gramian, losses)
     for name, p in params:
-        coefficients = rule.shared if name in shared else rule.own
+        coefficients = rule.shared if name in shared_names else rule.own
         combined = None
         for t in reached[name]:
             term = per_task[t][name] * coefficients[t].to(p.dtype)
@@ -71,8 +72,3 @@ def _local(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     if grad is None:
         return torch.zeros_like(local)
     return grad.to_local() if hasattr(grad, "to_local") else grad
-
-
-def _named(net: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.Parameter]]:
-    chosen = {id(p) for p in select_parameters(net, names)}
-    return [(name, p) for name, p in net.named_parameters() if id(p) in chosen]

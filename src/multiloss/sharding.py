@@ -24,7 +24,7 @@ A step that differentiates a component's parameters more than once — a gradien
 double backward through the critic) — cannot run on FSDP2's own schedule: its first backward reshards
 the weights the next one needs, ``autograd.grad`` returns nothing for a sharded parameter, and its
 reduce-scatter is a hook that a surrogate backward never reaches. Such a component is *held whole for
-its step* (`LocalGradients`, the recipe names it: `Recipe.local_gradient_components`): gathered at its
+its step* (`LocalGradients`, the recipe names it: `Recipe.held_whole`): gathered at its
 forward and kept until the step's gradients are taken, differentiated as on one device, its whole
 gradient accumulated on each rank over the micro-batches of an optimizer step, then reduce-scattered
 by hand into the sharded ``.grad`` (divided by the world size, as DDP averages) and the weights
