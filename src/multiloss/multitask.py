@@ -116,15 +116,17 @@ class MultiTaskRecipe(Recipe):
             observer.observe_task_losses(self.trainer, self, losses)
         balancer = self.balancer
         assert balancer is not None, "set_tasks runs in the component check, before the first step"
+        shared = self.shared_parameters if balancer.combines_gradients else None
         if self._sharded and balancer.combines_gradients and "net" not in self._held:  # scope global under FSDP2
             balanced = balance(balancer, losses, [], self.current_epoch, self.mean_over_ranks, with_surrogate=False)
-            apply_sharded_rule(self.net, balancer, list(losses.values()), self.manual_backward, self.sum_over_ranks)
+            apply_sharded_rule(
+                self.net, balancer, list(losses.values()), self.manual_backward, self.sum_over_ranks, shared
+            )
             balanced.backwarded = True
-            return balanced
-        # Only a surrogate needs them; read now, after the forward: under FSDP2 the net then holds its whole weights.
-        params = list(self.net.parameters()) if balancer.combines_gradients else []
-        shared = self.shared_parameters if balancer.combines_gradients else None
-        balanced = balance(balancer, losses, params, self.current_epoch, self.mean_over_ranks, shared)
+        else:
+            # Only a surrogate needs them; read after the forward: under FSDP2 the net then holds its whole weights.
+            params = list(self.net.parameters()) if balancer.combines_gradients else []
+            balanced = balance(balancer, losses, params, self.current_epoch, self.mean_over_ranks, shared)
         if balancer.adaptive:
             self.log_train_values(tuple(f"weight/{name}" for name in losses), balanced.weights)
         return balanced
