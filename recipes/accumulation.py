@@ -172,7 +172,11 @@ class Accumulation(Recipe):
             },
             on_step=False,
             on_epoch=True,
-            sync_dist=True,  # the same on every rank; keeps Lightning's DDP epoch-logging check quiet
+            # The same on every rank: nothing to reduce. rank_zero_only turns Lightning's reduction (a collective issued
+            # by whichever rank reads the value first) into a no-op, and sync_dist its "use sync_dist" warning off;
+            # every rank still logs it.
+            sync_dist=True,
+            rank_zero_only=True,
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> None:

@@ -432,7 +432,7 @@ class GAN(Recipe):
         # Every rank calls compute() (it gathers the states), whatever its own number of batches.
         scores = self.mode_coverage.compute()
         self.mode_coverage.reset()
-        self.log(
-            f"{self.eval_prefix}/modes", scores["modes"], prog_bar=True, sync_dist=True
-        )  # equal on all ranks already
-        self.log(f"{self.eval_prefix}/high_quality", scores["high_quality"], prog_bar=True, sync_dist=True)
+        # Equal on every rank already (compute() gathered the states): nothing to reduce (rank_zero_only makes
+        # Lightning's reduction a no-op: no collective for one rank to issue alone; sync_dist keeps its warning off).
+        for name in ("modes", "high_quality"):
+            self.log(f"{self.eval_prefix}/{name}", scores[name], prog_bar=True, sync_dist=True, rank_zero_only=True)

@@ -14,6 +14,11 @@ from omegaconf import DictConfig
 
 from multiloss import testing
 
+# Every distributed run of the suite (subprocesses inherit it; SLURM's srun exports it) runs under torch's collective
+# checker: before each collective every rank's call is compared (op, shapes, dtypes), so a collective one rank issues
+# alone fails at once with both ranks' calls named, instead of hanging the test.
+os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 # Quiet and quick: no progress bar, no config tree, no model summary.

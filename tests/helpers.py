@@ -221,3 +221,15 @@ def logged_rates(run: Path) -> dict[int, tuple[float, ...]]:
         for row in rows
         if any(row[c] for c in columns)
     }
+
+
+class CollectiveOnOneRank(L.Callback):
+    """At the first training epoch's end, ``rank`` alone waits in a barrier the other ranks never issue (they go on to
+    the next collective of the run): the shape of a rank-zero-only reader that reduces a metric."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank and trainer.current_epoch == 0:
+            dist.barrier()

@@ -41,7 +41,10 @@ def test_a_checkpoint_of_the_earlier_code_resumes_to_its_weights(make_cfg, tmp_p
     assert got.keys() == expected.keys()
     tensors = [k for k, v in expected.items() if isinstance(v, torch.Tensor)]  # (and a balancer's extra state)
     worst = max((got[k].float() - expected[k].float()).abs().max().item() for k in tensors)
-    assert worst == 0.0, f"{case}: {worst:.3g} from the weights the earlier code resumed to"
+    # The expected weights were computed on the machine that wrote them (AVX-512 kernels); another CPU's kernels
+    # (AVX2: measured 3e-8 here, at HEAD as well) round the same sums differently. Exact resume on one machine is
+    # proven against the straight run (tests/test_exact_resume.py); across machines, float rounding is the bound.
+    assert worst <= 1e-6, f"{case}: {worst:.3g} from the weights the earlier code resumed to"
 
 
 @pytest.mark.parametrize("case", CASES)

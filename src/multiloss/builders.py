@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning as L
@@ -40,6 +41,9 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
     if isinstance(trainer.strategy, FSDPStrategy):
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
+    strategy_node = cfg.trainer.get("strategy")
+    if not (isinstance(strategy_node, DictConfig) and "timeout" in strategy_node):  # a strategy's own timeout wins
+        internals.set_process_group_timeout(trainer.strategy, timedelta(seconds=cfg.get("collective_timeout", 1800)))
     internals.resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
     return trainer
 
@@ -48,8 +52,9 @@ def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_lo
     """Every callback a run adds to the Trainer, decided here; the recipe's own outputs and loggers of its rows come
     from the recipe (`multiloss.module.Recipe.configure_callbacks`, Lightning's way for a module to carry them).
 
-    The config's ``callbacks`` group, then what multiloss always adds to a training: RngState (exact
-    resume is part of the contract of ``ckpt_path=``), RunRecord (the run's config copies and lock, once
+    First the epoch values' reduction on every rank (`EpochMetricsOnEveryRank`: no rank-zero-only reader may
+    issue a collective), then the config's ``callbacks`` group, then what multiloss always adds to a training:
+    RngState (exact resume is part of the contract of ``ckpt_path=``), RunRecord (the run's config copies and lock, once
     fit() has checked the components on a batch of the data), the non-finite guard (nothing NaN trains
     on silently or reaches a checkpoint), the graph-leak detector (a graph kept from step to step, over
     the first batches), Preemption (SIGTERM or Ctrl-C saves the step reached and stops the run with a
@@ -59,6 +64,7 @@ def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_lo
     would reload its state and warn about the training run's dir; the loss curves).
     """
     from multiloss.callbacks import GraphLeakDetector, LossCurves, NonFiniteGuard, Preemption, RngState
+    from multiloss.callbacks.epoch_metrics import EpochMetricsOnEveryRank
     from multiloss.callbacks.resume import ResumeRule
     from multiloss.callbacks.run_record import RunRecord
     from multiloss.distributed import ReportOnce
@@ -66,10 +72,13 @@ def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_lo
     configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     if not has_loggers:  # logger=none: an LR monitor has nowhere to write (Lightning would stop the run)
         configured = [c for c in configured if not isinstance(c, LearningRateMonitor)]
+    # First: an epoch's values are reduced on every rank before any callback (some read on rank zero only) reads them.
+    first = [EpochMetricsOnEveryRank()]
     if purpose == "evaluate":
-        return [c for c in configured if not isinstance(c, ModelCheckpoint | LearningRateMonitor | LossCurves)]
+        kept = [c for c in configured if not isinstance(c, ModelCheckpoint | LearningRateMonitor | LossCurves)]
+        return [*first, *kept]
     always = [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
-    return [*configured, *always, Preemption(), ReportOnce(), ResumeRule()]
+    return [*first, *configured, *always, Preemption(), ReportOnce(), ResumeRule()]
 
 
 def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:

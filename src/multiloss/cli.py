@@ -131,6 +131,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     from multiloss.callbacks import NonFiniteError, RunPreempted
     from multiloss.checkpoints import CheckpointWriteError
     from multiloss.config import ConfigError
+    from multiloss.stalls import CollectiveStalled
 
     # Imported after Hydra set up logging, Lightning does not add its own console handler and its
     # lines go through Hydra's (into a run dir's train.log, even a rejected run's): set it up as
@@ -142,7 +143,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
             lightning_log.propagate = False
 
     try:
-        metrics = task(cfg)
+        metrics = _ending_the_process_group(task, cfg)
     except ConfigError as err:
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         if not os.environ.get("SUBMITIT_EXECUTOR"):  # a job's log handlers still write into its dir
@@ -151,6 +152,8 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         _fail("config error", err.message, 2, quiet=getattr(err, "reported_elsewhere", False))
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
+    except CollectiveStalled as err:
+        _fail("run stopped", str(err), 1, quiet=err.reported_elsewhere)
     except RunPreempted as err:
         _print_error("run stopped", f"{err}{_resume_hint(err.checkpoint, cfg)}", rank_zero=True)
         # An exit, never an exception, even in a submitted job: a preempted job is requeued and runs
@@ -161,6 +164,23 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     if rank_zero_only.rank == 0:
         print_summary(metrics, cfg)
     return metrics
+
+
+def _ending_the_process_group(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict[str, float]:
+    """``task(cfg)``, then this rank's process group ended, however the task ended.
+
+    A rank that a launcher of ours did not start (torchrun's, srun's, and those Lightning's launcher started)
+    would otherwise leave its group to the interpreter's exit, where gloo's threads can be torn down still
+    running: ``terminate called without an active exception``, SIGABRT, and srun marks a finished job FAILED.
+    No barrier: a launching process waits for its ranks to exit (`multiloss.distributed.HydraJobLauncher.finish`),
+    and a barrier here would wait for it in turn.
+    """
+    from multiloss import lightning_internals as internals
+
+    try:
+        return task(cfg)
+    finally:
+        internals.destroy_process_group()
 
 
 class JobFailed(Exception):
@@ -188,15 +208,11 @@ def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
 
 
 def _remove_if_empty(cfg: DictConfig) -> None:
-    """A rejected run leaves no trace: Hydra made its run dir before the config was checked, and a
-    check at setup (the component contracts) comes after the logger made its version dir. Only
-    empty directories go; a dir with any file in it (an earlier run's) stays as it is."""
-    root = Path(cfg.paths.output_dir)
-    with contextlib.suppress(Exception):  # not made: nothing to do
-        for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            with contextlib.suppress(OSError):  # not empty
-                folder.rmdir()
-        root.rmdir()
+    """A rejected run leaves no trace: Hydra made its run dir before the config was checked; it goes if empty. What
+    the run made below it while it held the dir's lock is removed with the lock (`multiloss.run_dir.claimed`);
+    nothing below is touched here: another run may hold the lock and be writing there."""
+    with contextlib.suppress(OSError):  # not made, or not empty
+        Path(cfg.paths.output_dir).rmdir()
 
 
 def _print_error(kind: str, message: str, rank_zero: bool = False) -> None:

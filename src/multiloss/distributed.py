@@ -19,7 +19,9 @@ with several devices) is built as this strategy by `multiloss.train` (`multiloss
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Generator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -35,6 +37,7 @@ from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
+from multiloss.stalls import is_stall, note_stall
 from multiloss.torchrun import join_this_torchrun_attempt
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
@@ -88,9 +91,18 @@ class HydraJobLauncher(internals.ScriptLauncher):
 
     command = staticmethod(job_command)
     _ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+    # After this process failed: how long its ranks get to end by themselves (an error they meet too, a stall they
+    # report) before they are killed. A rank waiting for this one in a collective would otherwise wait out the
+    # whole collective_timeout, and this process (waiting for it) with it.
+    GRACE_AFTER_FAILURE_S = 30.0
 
     def before_launch(self) -> None:
         self._env_before = {key: os.environ.get(key) for key in self._ENV}
+        self.failed = False
+
+    def note_failure(self) -> None:
+        """This process's run failed: `finish` waits a bounded time for the ranks it started."""
+        self.failed = True
 
     def finish(self) -> None:
         """Undo what launching did to this process: the job's process group and environment.
@@ -102,8 +114,13 @@ class HydraJobLauncher(internals.ScriptLauncher):
         """
         if not self.procs:
             return
+        deadline = time.monotonic() + self.GRACE_AFTER_FAILURE_S if getattr(self, "failed", False) else None
         for proc in self.procs:
-            proc.wait()
+            try:
+                proc.wait(None if deadline is None else max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()  # waiting for this process in a collective that will never complete
+                proc.wait()
         internals.destroy_process_group()
         for key, value in self._env_before.items():
             if value is None:
@@ -122,6 +139,7 @@ class DDPStrategy(LightningDDPStrategy):
         super().setup_distributed()
 
     def configure_ddp(self) -> None:
+        _survive_detail_debug(self)
         module = self.lightning_module
         names = module.ddp_submodules if isinstance(module, Recipe) else ()
         if not names:
@@ -144,6 +162,11 @@ class DDPStrategy(LightningDDPStrategy):
                 stack.enter_context(wrapper.no_sync())
             yield
 
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if isinstance(self.launcher, HydraJobLauncher):
+            self.launcher.note_failure()
+
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and hasattr(module, _WRAPPERS):
@@ -151,6 +174,31 @@ class DDPStrategy(LightningDDPStrategy):
         super().teardown()
         if isinstance(self.launcher, HydraJobLauncher):
             self.launcher.finish()
+
+
+def _survive_detail_debug(strategy: LightningDDPStrategy) -> None:
+    """Let DDP be built on a gloo group under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (the collective checker).
+
+    DETAIL wraps the group's backend in torch's ProcessGroupWrapper, which checks before every collective
+    that all ranks issue the same one with the same shapes. torch 2.13's DDP then dies with SIGSEGV while
+    building its usage log (``c10d::Logger::set_env_variables``, reading gloo's thread count from the wrapper
+    as if it were gloo's own backend): measured on a one-rank gloo group with a plain ``nn.Linear``. That log
+    (construction data: sizes, env vars) is only printed under INFO/DETAIL; without it DDP trains the same.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL" or strategy.root_device.type != "cpu":
+        return
+    if getattr(dist.Logger, "_multiloss_quiet", False):
+        return
+
+    class _ConstructionUnlogged(dist.Logger):  # type: ignore[misc,name-defined]
+        _multiloss_quiet = True
+
+        def set_construction_data_and_log(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    dist.Logger = _ConstructionUnlogged  # type: ignore[misc]  # DDP builds `dist.Logger(reducer)` at construction
 
 
 def multiloss_ddp(trainer: L.Trainer, requested: Any) -> DDPStrategy | None:
@@ -193,7 +241,9 @@ class ReportOnce(LeanCallback):
     """
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if trainer.world_size > 1 and not _first_to_report(str(exception)):
+        if trainer.world_size > 1 and is_stall(exception):  # each rank's words differ: gathered, one reports
+            note_stall(exception, trainer)
+        elif trainer.world_size > 1 and not _first_to_report(str(exception)):
             exception.reported_elsewhere = True  # type: ignore[attr-defined]
 
 

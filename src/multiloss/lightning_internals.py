@@ -168,6 +168,13 @@ def process_group_timeout(strategy: Any) -> Any:
     return strategy._timeout
 
 
+def set_process_group_timeout(strategy: Any, timeout: Any) -> None:
+    """Start ``strategy``'s process group with ``timeout`` (a `timedelta`): how long a collective waits for the other
+    ranks (``_timeout``); nothing for a strategy without a process group."""
+    if hasattr(strategy, "_timeout"):
+        strategy._timeout = timeout
+
+
 def process_group_backend(strategy: Any) -> str:
     """The backend ``strategy`` initialises its process group with (``_get_process_group_backend``)."""
     return strategy._get_process_group_backend()

@@ -10,9 +10,11 @@ a dir holding checkpoints unless the run resumes from one of them (it continues 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from multiloss.config.errors import ConfigError
@@ -126,6 +128,49 @@ def acquire_lock(output_dir: str | Path) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(f"{socket.gethostname()} {os.getpid()}")
     return path
+
+
+def launch_rank_zero() -> bool:
+    """Whether this process is the job's rank zero, judged before any process group exists: what the launcher set.
+
+    Lightning's launcher gives the ranks it starts LOCAL_RANK (and every node's launching process NODE_RANK),
+    torchrun sets RANK, srun SLURM_PROCID; a process none of them marked is the one a person started."""
+    marks = ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK", "JSM_NAMESPACE_RANK")
+    return all(os.environ.get(name, "0") == "0" for name in marks)
+
+
+@contextlib.contextmanager
+def claimed(output_dir: str | Path, claim: bool) -> Iterator[Path | None]:
+    """The run dir is this run's for the block: its lock taken first (``claim``: by the job's rank zero), before the
+    run writes anything, and given back at the end.
+
+    Refused at the lock (a live run trains in the dir), the run has written nothing and removes nothing. Refused
+    later (`ConfigError` out of the block), it removes the empty directories under ``output_dir`` while still
+    holding the lock — so they are its own: no other run writes there meanwhile — then gives the lock back.
+    """
+    made = not Path(output_dir).exists()  # the lock makes it (a run outside Hydra, which makes it first)
+    lock = acquire_lock(output_dir) if claim else None
+    try:
+        yield lock
+    except ConfigError:
+        if lock is not None:
+            remove_empty_dirs(output_dir)
+            release_lock(lock)
+            lock = None
+            if made:
+                with contextlib.suppress(OSError):  # something in it
+                    Path(output_dir).rmdir()
+        raise
+    finally:
+        release_lock(lock)
+
+
+def remove_empty_dirs(output_dir: str | Path) -> None:
+    """Remove every empty directory below ``output_dir`` (a file anywhere keeps its directories)."""
+    root = Path(output_dir)
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):  # not empty
+            folder.rmdir()
 
 
 def release_lock(path: Path | None) -> None:

@@ -86,6 +86,11 @@ class FSDPStrategy(ModelParallelStrategy):
             for unit in units:
                 unit.set_requires_gradient_sync(True, recurse=False)
 
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if (note := getattr(self.launcher, "note_failure", None)) is not None:  # multiloss's Hydra-job launcher
+            note()
+
     def teardown(self) -> None:
         super().teardown()
         if (finish := getattr(self.launcher, "finish", None)) is not None:  # multiloss's Hydra-job launcher

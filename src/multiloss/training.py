@@ -12,8 +12,9 @@ from multiloss.checkpoints import verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
 from multiloss.module import Recipe
 from multiloss.pitfalls import explain
-from multiloss.run_dir import resume_from
+from multiloss.run_dir import claimed, launch_rank_zero, resume_from
 from multiloss.sharding import is_sharded
+from multiloss.stalls import explain_stall, is_stall, last_checkpoint
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -24,6 +25,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))
     check_config(cfg)
+    # The job's rank zero locks the run dir before anything is written: a second run started into the same dir at
+    # the same instant is refused and touches nothing (whether the dir holds another run's checkpoints is judged
+    # when training starts, by every rank: RunRecord, after the checks that name a mistake in the config).
+    with claimed(cfg.paths.output_dir, claim=launch_rank_zero()):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train")
     record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
@@ -45,6 +54,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except RuntimeError as err:
         if (monitored := _unknown_monitor(cfg, err)) is not None:
             raise monitored from None
+        if is_stall(err):  # a collective not every rank reached: one message for the job, naming each rank's hook
+            raise explain_stall(err, trainer, cfg.get("collective_timeout", 1800), last_checkpoint(trainer)) from None
         explain(err)  # an autograd pitfall gets its cause and fix under PyTorch's message
         raise
     except (MisconfigurationException, ValueError) as err:

@@ -59,6 +59,18 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.steps) + (self.folded[1] if self.folded else 0)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The rows not yet written (as they are: the restored window sums the same values in the same order)."""
+        folded = None if self.folded is None else (self.folded[0].cpu(), self.folded[1])
+        return {"rows": self.rows[: len(self.steps)].cpu(), "steps": list(self.steps), "folded": folded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rows, self.steps = state["rows"], list(state["steps"])
+        self.rows = torch.empty(max(8, 2 * len(rows)), rows.shape[1], device=self.rows.device, dtype=rows.dtype)
+        self.rows[: len(rows)].copy_(rows)
+        folded = state.get("folded")
+        self.folded = None if folded is None else (folded[0].to(self.rows.device), int(folded[1]))
+
     def take(self) -> list[float]:
         """The mean of every row since the last take (one host read), noting the first non-finite step; then empty."""
         rows = self.rows[: len(self.steps)]
@@ -124,6 +136,33 @@ class TrainingLog:
         if watched:
             self.unjudged.append((names, len(rows.steps) - 1))
 
+    def state_dict(self) -> dict[str, Any]:
+        """Each group's rows since the last log row: a run resumed mid-window writes the straight run's next row."""
+        return {
+            "groups": [
+                {"names": list(names), "watched": names in self.watched, **rows.state_dict()}
+                for names, rows in self.groups.items()
+                if rows.steps or rows.folded
+            ]
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for group in state.get("groups", []):
+            names = tuple(group["names"])
+            rows = StepRows(len(names), torch.device("cpu"), dtype=group["rows"].dtype)
+            rows.load_state_dict(group)
+            self.groups[names] = rows
+            if group["watched"]:
+                self.watched.add(names)
+
+    def to(self, device: torch.device) -> None:
+        """Move the restored rows onto ``device`` (the module's, once it has one)."""
+        for rows in self.groups.values():
+            if rows.rows.device != device:
+                rows.rows = rows.rows.to(device)
+                if rows.folded is not None:
+                    rows.folded = (rows.folded[0].to(device), rows.folded[1])
+
     def pop_new_loss_rows(self) -> list[torch.Tensor]:
         """The watched rows added since the last call (``nonfinite=skip`` judges a step by its own losses)."""
         taken = [self.groups[names].rows[i] for names, i in self.unjudged if i < len(self.groups[names].steps)]
@@ -184,6 +223,15 @@ class TrainingLogWriter(LeanCallback):
         if internals.writes_log_row(trainer) and internals.ends_accumulation(trainer):
             self.training_log.write_row(trainer)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.training_log.to(pl_module.device)  # rows a resumed checkpoint brought back, on the CPU until now
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The steps since the last row (a run shorter than log_every_n_steps has no other row).
         self.training_log.write_row(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.training_log.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.training_log.load_state_dict(state_dict)

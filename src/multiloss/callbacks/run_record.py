@@ -9,7 +9,6 @@ metrics file). The checkpoint keys live here, with the one callback that writes 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,7 +20,7 @@ from multiloss.console import print_config_tree, save_run_config
 from multiloss.history import HISTORY_KEY, continue_history, history_entry
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
-from multiloss.run_dir import acquire_lock, check_run_dir, release_lock
+from multiloss.run_dir import check_run_dir
 from multiloss.run_log import open_run_log
 
 log = logging.getLogger("multiloss")
@@ -37,14 +36,13 @@ SPLIT_KEYS = ("val_fraction", "test_fraction", "split_seed")
 
 
 class RunRecord(LeanCallback):
-    """Claims the run dir, writes the run's ``.hydra/`` config copies, prints the config tree and logs it.
+    """Writes the run's ``.hydra/`` config copies, prints the config tree and logs it.
 
     At the start of training, not before: ``fit`` first runs the recipe's component check on a batch
     of the data (at setup), restores ``ckpt_path`` and checks the Trainer's values against the data
-    (``val_check_interval``); a run rejected there must leave an earlier run's files untouched, and
-    its message must be about the mistake, not about the dir. Rank zero claims
-    the dir (`multiloss.run_dir`: no other run's checkpoints unless resuming or ``overwrite``, a
-    lock while training); ranks started for this run share it.
+    (``val_check_interval``); a run rejected there must leave an earlier run's files untouched, and its message
+    must be about the mistake, not about the dir: only then does every rank check that the dir holds no other
+    run's checkpoints. Its lock was taken before anything was built (`multiloss.run_dir.claimed`, `multiloss.train`).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -53,18 +51,15 @@ class RunRecord(LeanCallback):
         self.overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
         self.config_dirs = [s.path for s in sources if s.schema == "file" and s.provider != "main"]
-        self.lock: Path | None = None
         self.started = False  # training began: errors from here on are not about the config
         self.resumed_history: dict[str, Any] | None = None  # the metrics.csv a resumed checkpoint's run wrote
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.started = True
-        if trainer.global_rank == 0:
-            out = self.cfg.paths.output_dir
-            check_run_dir(out, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
-            self.lock = acquire_lock(out)
+        # Every rank reaches the same verdict (reads only): refused, they stop together, none left waiting.
+        check_run_dir(self.cfg.paths.output_dir, self.cfg.get("ckpt_path"), self.cfg.get("overwrite", False))
         save_run_config(self.cfg, self.cfg.paths.output_dir)
-        open_run_log()
+        open_run_log(trainer.global_rank)
         continue_history(trainer, self.resumed_history)  # a resumed run's metrics.csv starts with the earlier rows
         # Through Python's logging: under Hydra, also in this rank's <run dir>/train.log (written only from
         # now on, so a run rejected earlier leaves no log behind: multiloss.run_log).
@@ -93,10 +88,3 @@ class RunRecord(LeanCallback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self.resumed_history = checkpoint.get(HISTORY_KEY)
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        release_lock(self.lock)
-        self.lock = None
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")

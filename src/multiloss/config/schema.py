@@ -26,6 +26,7 @@ class TrainSchema:
     print_config: bool = True
     overwrite: bool = False
     nonfinite: str = "stop"
+    collective_timeout: float = 1800.0
     # A sweeper's objective (hparams_search): the final metric a run returns, as a float.
     optimized_metric: str | None = None
     data: Any = MISSING
