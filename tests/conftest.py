@@ -63,10 +63,16 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
 
 
 def run_cli(
-    *args: str, cwd: Path = ROOT, timeout: float = 300, python_flags: tuple[str, ...] = (), warnings: str = "ignore"
+    *args: str,
+    cwd: Path = ROOT,
+    timeout: float = 300,
+    python_flags: tuple[str, ...] = (),
+    warnings: str = "ignore",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """``python [python_flags] train.py <args>`` in a subprocess, as a user runs it (``PYTHONWARNINGS=warnings``)."""
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": warnings}
+    """``python [python_flags] train.py <args>`` in a subprocess, as a user runs it (``PYTHONWARNINGS=warnings``;
+    ``env``: variables set or changed)."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": warnings, **(env or {})}
     return subprocess.run(
         [sys.executable, *python_flags, str(ROOT / "train.py"), *args],
         cwd=cwd,

@@ -224,12 +224,35 @@ def logged_rates(run: Path) -> dict[int, tuple[float, ...]]:
 
 
 class CollectiveOnOneRank(L.Callback):
-    """At the first training epoch's end, ``rank`` alone waits in a barrier the other ranks never issue (they go on to
-    the next collective of the run): the shape of a rank-zero-only reader that reduces a metric."""
+    """At the end of training epoch ``epoch`` (the second), ``rank`` alone waits in a barrier the other ranks never
+    issue (they go on to the next collective of the run): the shape of a rank-zero-only reader that reduces a metric."""
 
-    def __init__(self, rank: int = 0) -> None:
-        self.rank = rank
+    def __init__(self, rank: int = 0, epoch: int = 1) -> None:
+        self.rank, self.epoch = rank, epoch
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.global_rank == self.rank and trainer.current_epoch == 0:
+        if trainer.global_rank == self.rank and trainer.current_epoch == self.epoch:
             dist.barrier()
+
+
+class SyncedEpochValue(L.Callback):
+    """Logs ``probe`` = 1 on every rank at each training batch's end as an epoch value reduced over the ranks
+    (``sync_dist=True``): Lightning reduces it lazily, at the first read after the epoch's last batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("probe", 1.0, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
+
+
+class GroupStateAtExit(L.Callback):
+    """Writes, at this process's exit (after everything else), whether its process group was still up:
+    ``group_at_exit_rank<r>.txt`` in ``dirpath``."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import atexit
+
+        path = Path(self.dirpath) / f"group_at_exit_rank{trainer.global_rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atexit.register(lambda: path.write_text(str(dist.is_initialized())))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -202,7 +203,9 @@ def test_multirun_sweep_with_ddp_runs_each_job_once(tmp_path):
 
 def test_torchrun_launch(tmp_path):
     """torchrun starts both ranks itself; Lightning sees the torchelastic environment. Each rank
-    composes its own config, and both land in one run dir named after the launch, not the clock."""
+    composes its own config, and both land in one run dir named after the launch, not the clock. Each rank ends
+    its process group before it exits (left to the interpreter's exit, gloo's threads could be torn down running:
+    SIGABRT, and srun marks a finished job FAILED)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -217,6 +220,8 @@ def test_torchrun_launch(tmp_path):
             "trainer.accelerator=cpu",
             "trainer.max_steps=6",
             "model.n_plot_samples=0",
+            "+callbacks.exit._target_=tests.helpers.GroupStateAtExit",
+            f"+callbacks.exit.dirpath={tmp_path / 'exit'}",
             *QUIET_RUN,
         ],
         cwd=tmp_path,
@@ -227,6 +232,8 @@ def test_torchrun_launch(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr
+    assert [(tmp_path / "exit" / f"group_at_exit_rank{r}.txt").read_text() for r in (0, 1)] == ["False", "False"]
+    shutil.rmtree(tmp_path / "exit")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
     (out,) = (tmp_path / "outputs/gan").iterdir()  # one run dir for both ranks
     assert out.name.startswith("torchrun-")

@@ -20,8 +20,16 @@ import lightning as L
 
 from multiloss import lightning_internals as internals
 
-# What gloo (a timed-out send or receive), torch's collective checker (DETAIL) and NCCL's watchdog say.
-_MARKS = ("Timed out waiting", "timed out", "Detected mismatch between collectives", "Watchdog caught collective")
+# What gloo (a timed-out send or receive; a peer that gave up or died first), torch's collective checker (DETAIL) and
+# NCCL's watchdog say.
+_MARKS = (
+    "Timed out waiting",
+    "timed out",
+    "Detected mismatch between collectives",
+    "Watchdog caught collective",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
 _WAIT_FOR_OTHERS_S = 10.0  # the ranks time out within moments of each other: this long for their own words
 _KEY = "multiloss/stalled"
 
@@ -50,12 +58,13 @@ def explain_stall(
     rank = trainer.global_rank
     here = where(err.__traceback__)
     reports, first = getattr(err, "_multiloss_stall", None) or ({rank: here}, True)
-    mismatch = "Detected mismatch between collectives" in str(err)
-    why = (
-        "the ranks issued different collectives (torch's checker, TORCH_DISTRIBUTED_DEBUG=DETAIL, compared them)"
-        if mismatch
-        else f"it waited {timeout_s:g} s (collective_timeout) and not every rank joined it"
-    )
+    text = str(err)
+    if "Detected mismatch between collectives" in text:
+        why = "the ranks issued different collectives (torch's checker, TORCH_DISTRIBUTED_DEBUG=DETAIL, compared them)"
+    elif "Connection closed by peer" in text or "Connection reset by peer" in text:
+        why = "another rank left it (it gave up waiting, or its process ended)"
+    else:
+        why = f"it waited {timeout_s:g} s (collective_timeout) and not every rank joined it"
     lines = [
         f"rank {r}: {reports.get(r, 'no word (still working elsewhere, or gone)')}" for r in range(trainer.world_size)
     ]
