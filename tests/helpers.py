@@ -256,3 +256,19 @@ class GroupStateAtExit(L.Callback):
         path = Path(self.dirpath) / f"group_at_exit_rank{trainer.global_rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         atexit.register(lambda: path.write_text(str(dist.is_initialized())))
+
+
+class SignalInValidation(L.Callback):
+    """Sends SIGTERM to this process as the first validation batch after optimizer step ``step`` starts (once): a
+    scheduler's stop that lands inside a mid-epoch validation."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not self.sent and not trainer.sanity_checking and trainer.global_step >= self.step:
+            import os
+            import signal
+
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)

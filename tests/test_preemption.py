@@ -18,6 +18,7 @@ from multiloss import train
 from multiloss.callbacks import RunPreempted
 from multiloss.config import ConfigError
 from tests.conftest import ROOT, load_weights, run_cli
+from tests.helpers import logged_rows
 
 SMALL = (
     "model.net.width=32",
@@ -65,6 +66,35 @@ def test_sigterm_saves_the_step_it_reached_and_ckpt_path_last_continues_exactly(
 
     train(make_cfg(*common, end, "ckpt_path=last", output_dir=run))
     assert _global_step(run) == 9
+    _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
+
+
+def test_a_run_stopped_inside_a_mid_epoch_validation_continues_its_log_rows_bit_for_bit(make_cfg, tmp_path):
+    """The outside check: weighted stopped by SIGTERM inside its mid-epoch validation, continued with
+    ckpt_path=last: the weights were equal, but the first training row after the resume was the mean of the steps
+    since the resume, not of the row's window (5 steps, rows at steps 4, 9, ...: stopped at 16, the row of step 19
+    holds steps 15-19). The window's rows are in the checkpoint now: every row of metrics.csv is the straight run's."""
+    common = (
+        "recipe=weighted",
+        "model.net.width=16",
+        "data.batch_size=64",  # 23 batches an epoch
+        "trainer=cpu",
+        "trainer.max_steps=30",
+        "trainer.val_check_interval=8",  # after steps 8 and 16 of the first epoch
+        "trainer.limit_val_batches=2",
+        "trainer.num_sanity_val_steps=0",
+        "~callbacks.loss_curves",
+    )
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, output_dir=straight))
+    signal_in_validation = ("+callbacks.signal._target_=tests.helpers.SignalInValidation", "+callbacks.signal.step=16")
+    with pytest.raises(RunPreempted):
+        train(make_cfg(*common, *signal_in_validation, output_dir=run))
+    assert _global_step(run) == 16
+    train(make_cfg(*common, "ckpt_path=last", output_dir=run))
+    rows = logged_rows(run)
+    assert rows == logged_rows(straight)
+    assert [r["step"] for r in rows if r.get("loss/total")][:4] == ["4", "9", "14", "19"]
     _same(load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt"))
 
 
