@@ -78,6 +78,28 @@ def _batch_norms(module: nn.Module) -> list[str]:
     return [name or "(itself)" for name, m in module.named_modules() if isinstance(m, kinds)]
 
 
+LOSSES = ("nonsaturating", "bce", "wgan-gp")
+
+
+def bce(probabilities: torch.Tensor, label: float) -> torch.Tensor:
+    """``nn.BCELoss()(probabilities, <label everywhere>)``, the form dcgan/main.py computes (its label tensor filled
+    with 1 or 0), outside autocast (BCE on probabilities is not autocast-safe: fp32 here under mixed precision)."""
+    with torch.autocast(probabilities.device.type, enabled=False):
+        p = probabilities.float()
+        try:
+            return F.binary_cross_entropy(p, torch.full_like(p, label))
+        except RuntimeError as err:  # torch's own range check: no extra host read a step
+            if "between 0 and 1" not in str(err):
+                raise
+            raise ConfigError(
+                "model.loss",
+                "bce",
+                "a discriminator that ends in a Sigmoid (probabilities) with loss=bce, or model.loss=nonsaturating "
+                "for one that returns logits (the same loss, on logits)",
+                "the discriminator's scores left [0, 1]",
+            ) from None
+
+
 def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """E[(‖∇ₓ̂ critic(x̂)‖₂ − 1)²] at x̂ = ε·real + (1−ε)·fake (Gulrajani et al., 2017).
 
@@ -99,7 +121,7 @@ class GAN(Recipe):
             ``data_dim`` features): ``generator(z)`` with ``z`` of shape ``(batch, latent_dim)``
             returns samples of the data's sample shape (checked at setup).
         discriminator (group ``discriminator``, default ``mlp``): ``discriminator(x)`` returns one
-            score (a logit) per sample, shape ``(batch,)`` or ``(batch, 1)``. No BatchNorm with
+            score (a logit; with ``loss=bce`` a probability) per sample, shape ``(batch,)`` or ``(batch, 1)``. No BatchNorm with
             ``gp_weight`` > 0 (the penalty needs each sample's own gradient; refused at setup); without
             a penalty BatchNorm is fine (DCGAN's), though split batches then stop being one batch.
         g_optimizer, d_optimizer (options of the ``optimizer`` group, default ``adam_gan``).
@@ -126,9 +148,12 @@ class GAN(Recipe):
     (the default ``linear_decay``: both rates fall linearly to 0 by ``trainer.max_epochs``, one step
     per epoch; ``scheduler=constant`` keeps them). ``trainer.max_steps`` counts both optimizers' steps.
 
-    Losses: ``nonsaturating`` (D: softplus(−D(x)) + softplus(D(G(z))); G: softplus(−D(G(z)))) or
-    ``wgan-gp`` (critic: D(G(z)) − D(x) + λ·GP; G: −D(G(z))). ``gp_weight`` = λ > 0 adds the gradient
-    penalty E[(‖∇D(x̂)‖ − 1)²] on random interpolates x̂ (with either loss; 0 = off).
+    Losses: ``nonsaturating`` (D: softplus(−D(x)) + softplus(D(G(z))); G: softplus(−D(G(z))), on D's logits),
+    ``bce`` (the same function on D's probabilities — a D that ends in a Sigmoid — as dcgan/main.py writes it:
+    ``nn.BCELoss`` against labels 1 and 0, D's real and fake terms backwarded one after the other; the DCGAN
+    script to the bit, where the logits form drifts from it by rounding) or ``wgan-gp`` (critic: D(G(z)) − D(x) +
+    λ·GP; G: −D(G(z))). ``gp_weight`` = λ > 0 adds the gradient penalty E[(‖∇D(x̂)‖ − 1)²] on random interpolates
+    x̂ (with any loss; 0 = off).
 
     The training noise comes from the module's own generator, seeded with ``noise_seed`` (``${seed}``
     in the config) and saved in every checkpoint, drawn for the whole global batch and sharded like the
@@ -145,12 +170,14 @@ class GAN(Recipe):
     dir at every epoch end (`multiloss.callbacks.GeneratedSamplesPlot`).
 
     Raises:
-        ConfigError: ``n_critic``, ``accumulate_grad_batches``, ``latent_dim`` or ``data_dim`` < 1;
+        ConfigError: ``loss`` not one of ``LOSSES``; ``n_critic``, ``accumulate_grad_batches``, ``latent_dim`` or
+            ``data_dim`` < 1;
             ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``; ``n_plot_samples`` < 0; ``g_input=same_fakes``
             with ``accumulate_grad_batches`` > 1; the step options' checks (`multiloss.module.Recipe`); at
             setup (before any step or write), a discriminator with BatchNorm and ``gp_weight`` > 0, a generator whose
             samples do not have the data's shape (with the shipped ``mlp``: set ``model.data_dim`` to the
-            data's feature count) or a discriminator that does not give one score per sample. A single
+            data's feature count), a discriminator that does not give one score per sample, or (``loss=bce``)
+            scores outside [0, 1]. A single
             ``model.optimizer`` (``optimizer=sgd``) is an unknown key: the GAN has two.
     """
 
@@ -168,7 +195,7 @@ class GAN(Recipe):
         discriminator: Any,
         g_optimizer: Any = None,
         d_optimizer: Any = None,
-        loss: Literal["nonsaturating", "wgan-gp"] = "nonsaturating",
+        loss: Literal["nonsaturating", "bce", "wgan-gp"] = "nonsaturating",
         n_critic: int = 1,
         gp_weight: float = 0.0,
         latent_dim: int = 2,
@@ -182,13 +209,14 @@ class GAN(Recipe):
         super().__init__(**step_options)
         for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
             require(value >= 1, key, value, "an integer ≥ 1")
+        require(loss in LOSSES, "loss", loss, ", ".join(LOSSES))
         require(gp_weight >= 0, "gp_weight", gp_weight, "a number ≥ 0 (0 = no gradient penalty)")
         require(
             loss != "wgan-gp" or gp_weight > 0,
             "gp_weight",
             gp_weight,
             "a positive number with loss=wgan-gp (e.g. 0.1; the Wasserstein critic needs the penalty to stay "
-            "Lipschitz), or loss=nonsaturating",
+            "Lipschitz), or loss=nonsaturating / bce",
         )
         require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
         require(g_input in ("fresh", "same_fakes", "same_z"), "g_input", g_input, "fresh, same_fakes or same_z")
@@ -272,6 +300,14 @@ class GAN(Recipe):
                     "a discriminator that returns one score per sample, shape (batch,) or (batch, 1)",
                     f"for {what} samples {describe_output(x)} it returned {describe_output(scores)}",
                 )
+            if self.loss == "bce" and not bool(((scores >= 0) & (scores <= 1)).all()):
+                raise ConfigError(
+                    "model.discriminator",
+                    critic,
+                    "a discriminator that ends in a Sigmoid (probabilities in [0, 1]) with model.loss=bce, or "
+                    "model.loss=nonsaturating for one that returns logits (the same loss, on logits)",
+                    f"for {what} samples its scores reach {float(scores.min()):.3g}..{float(scores.max()):.3g}",
+                )
         if self.gp_weight > 0 and (norms := _batch_norms(self.discriminator)):
             raise ConfigError(
                 "model.discriminator",
@@ -327,6 +363,8 @@ class GAN(Recipe):
         d_real, d_fake = critic(real), critic(fake)
         if self.loss == "wgan-gp":
             losses = {"d_real": -d_real.mean(), "d_fake": d_fake.mean()}
+        elif self.loss == "bce":  # D's probabilities: nn.BCELoss against labels 1 and 0, as dcgan/main.py
+            losses = {"d_real": bce(d_real, 1.0), "d_fake": bce(d_fake, 0.0)}
         else:  # −log σ(D(x)) − log(1 − σ(D(G(z)))), written with softplus for stability
             losses = {"d_real": F.softplus(-d_real).mean(), "d_fake": F.softplus(d_fake).mean()}
         total = losses["d_real"] + losses["d_fake"]
@@ -336,12 +374,15 @@ class GAN(Recipe):
         return {**losses, "d": total}
 
     def generator_loss(self, fake: torch.Tensor) -> torch.Tensor:
-        """G's loss through D: the non-saturating −log σ(D(G(z))), or WGAN's −D(G(z)).
+        """G's loss through D: the non-saturating −log σ(D(G(z))) (``bce``: BCELoss of D's probability against
+        the label 1), or WGAN's −D(G(z)).
 
         D is called directly, not through its DDP wrapper: its weights are frozen for this step, so
         no D gradient may be expected (or all-reduced) by this backward.
         """
         d_fake = self.discriminator(fake)
+        if self.loss == "bce":
+            return bce(d_fake, 1.0)
         return -d_fake.mean() if self.loss == "wgan-gp" else F.softplus(-d_fake).mean()
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
@@ -366,7 +407,12 @@ class GAN(Recipe):
         with opt_d.toggle_model(sync_grad=d_steps), self.whole_step(d_steps, "discriminator"):
             fake = (kept if kept is not None else self.generator(z)).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
-            self.manual_backward(d_losses["d"] if k == 1 else d_losses["d"] / k)
+            if self.loss == "bce":  # dcgan/main.py's two backward calls, real then fake (gradients summed in .grad)
+                with self.without_gradient_sync():  # the second one syncs the sum
+                    self.manual_backward(d_losses["d_real"] if k == 1 else d_losses["d_real"] / k)
+                self.manual_backward(d_losses["d_fake"] if k == 1 else d_losses["d_fake"] / k)
+            else:
+                self.manual_backward(d_losses["d"] if k == 1 else d_losses["d"] / k)
         self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
         self._d_step_noise.append(z)
         if d_steps:

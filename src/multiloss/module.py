@@ -268,13 +268,18 @@ class Recipe(L.LightningModule):
     def gradient_sync(self, stepping: bool) -> Any:
         """A block whose backward DDP all-reduces only when ``stepping``: micro-batches that do not step skip it.
         Under FSDP2, the components held whole hand their gradients over at its end (`whole_step`)."""
-        block = _SYNC_AS_USUAL if stepping else internals.no_gradient_sync(self.trainer.strategy)
+        block = _SYNC_AS_USUAL if stepping else self.without_gradient_sync()
         if not self._held:
             return block
         stack = contextlib.ExitStack()
         stack.enter_context(block)
         stack.enter_context(self.whole_step(stepping))
         return stack
+
+    def without_gradient_sync(self) -> Any:
+        """A block whose backward no rank reduces (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``):
+        its gradients stay in ``.grad`` and the next synced backward reduces their sum."""
+        return internals.no_gradient_sync(self.trainer.strategy)
 
     def whole_step(self, stepping: bool, *names: str) -> Any:
         """A block around the forward and backward(s) of components ``names`` (all held whole when none is named):
