@@ -121,9 +121,10 @@ class GAN(Recipe):
             ``data_dim`` features): ``generator(z)`` with ``z`` of shape ``(batch, latent_dim)``
             returns samples of the data's sample shape (checked at setup).
         discriminator (group ``discriminator``, default ``mlp``): ``discriminator(x)`` returns one
-            score (a logit; with ``loss=bce`` a probability) per sample, shape ``(batch,)`` or ``(batch, 1)``. No BatchNorm with
-            ``gp_weight`` > 0 (the penalty needs each sample's own gradient; refused at setup); without
-            a penalty BatchNorm is fine (DCGAN's), though split batches then stop being one batch.
+            score (a logit; with ``loss=bce`` a probability) per sample, shape ``(batch,)`` or
+            ``(batch, 1)``. No BatchNorm with ``gp_weight`` > 0 (the penalty needs each sample's own
+            gradient; refused at setup); without a penalty BatchNorm is fine (DCGAN's), though split
+            batches then stop being one batch.
         g_optimizer, d_optimizer (options of the ``optimizer`` group, default ``adam_gan``).
         scheduler (group ``scheduler``, default ``linear_decay``): one schedule per optimizer.
         data: batches with ``x`` (real samples, any shape); ``(x,)`` / ``(x, y)`` tuples too.
