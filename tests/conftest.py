@@ -102,3 +102,17 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def _few_threads():
     # Two cores: intra-op threads beyond that only add contention between tests and DDP ranks.
     torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup`` every test marked ``xdist_group`` must carry its group in its id (how xdist sends
+    a group to one worker); when it does not (pytest 9.2 with xdist 3.8), each worker would start its own SLURM
+    cluster: the run stops here instead."""
+    if not session.config.getoption("loadgroup", default=False):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist's loadgroup does not group {lost[0]} (and {len(lost) - 1} more) under pytest "
+            f"{pytest.__version__}: the grouped tests would run on several workers at once"
+        )

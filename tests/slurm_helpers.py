@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -14,7 +15,8 @@ class PreemptOnce(L.Callback):
     """On the job's first attempt, at ``step``, rank 0 asks SLURM to stop it: ``scontrol requeue`` (SLURM
     then sends SIGTERM to every task and queues the job again) or ``scancel --signal=USR1`` (every task
     gets SIGUSR1, as ``sbatch --signal=USR1@<s>`` sends it before the time limit; the run requeues
-    itself). The steps after it are slowed, so that the run is still training when the signal lands; with
+    itself), or ``sigusr1_to_rank_1``: SIGUSR1 to rank 1 alone (SLURM signals each node's tasks on its own: rank 0's
+    may come later, or not before the agreement). The steps after it are slowed, so that the run is still training when the signal lands; with
     ``hold``, the batch of ``step`` waits for the signal instead (a stop on that very batch).
     Writes ``preempted.txt`` (the step the run saved) into the run dir when the run stops.
     """
@@ -29,7 +31,9 @@ class PreemptOnce(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._first_attempt() or trainer.global_step < self.step:
             return
-        if not self.asked and trainer.global_rank == 0:
+        if not self.asked and self.how == "sigusr1_to_rank_1" and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # this rank alone: rank 0 hears of it only through the agreement
+        elif not self.asked and self.how != "sigusr1_to_rank_1" and trainer.global_rank == 0:
             job = os.environ["SLURM_JOB_ID"]
             command = ["scontrol", "requeue", job] if self.how == "scontrol_requeue" else ["scancel", "-s", "USR1", job]
             subprocess.Popen(command)

@@ -160,6 +160,8 @@ def uninterrupted(tmp_path_factory):
         # Mid-epoch SIGUSR1 under FSDP2 (under DDP: the last-batch case's signal, the requeue case's mid-epoch
         # continuation): a sharded last.ckpt, each rank's shard written before the requeue.
         ("sigusr1", "fsdp_cpu"),
+        # Rank 1 alone gets SIGUSR1: the ranks agree on the signal's kind, and rank 0 requeues the job.
+        ("sigusr1_to_rank_1", "ddp_cpu"),
     ],
 )
 def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, uninterrupted, tmp_path, how, trainer):

@@ -127,6 +127,17 @@ class Recipe(L.LightningModule):
         self.fsdp = {"shard": None, "checkpoint": [], **to_plain(fsdp or {})}
         unknown = sorted(set(self.fsdp) - {"shard", "checkpoint"})
         require(not unknown, f"fsdp.{unknown[0] if unknown else ''}", self.fsdp, "shard and checkpoint", "unknown key")
+        for key in ("shard", "checkpoint"):  # one name on the command line (fsdp.checkpoint=Block) is a list of one
+            value = self.fsdp[key]
+            value = [value] if isinstance(value, str) else value
+            names = isinstance(value, list) and all(isinstance(v, str) for v in value)
+            require(
+                names or (value is None and key == "shard"),
+                f"fsdp.{key}",
+                value,
+                "a class name or name pattern, or a list of them" + (" (null: each child)" if key == "shard" else ""),
+            )
+            self.fsdp[key] = value
         self.optimizer_factory: OptimizerFactory | None = None
         self.rate_plans: dict[str, RatePlan] = {}  # per optimizer config key, in configure_optimizers' order
         self.training_log = TrainingLog()  # training values between log rows; the non-finite guard reads it

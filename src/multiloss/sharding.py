@@ -196,7 +196,7 @@ def check_policy(
     components = [getattr(module, name) for name in names]
     listing = "; ".join(f"model.{name}: {_module_names(c)}" for name, c in zip(names, components, strict=True))
     require(
-        shard is None or any(_units(c, shard) for c in components),
+        shard is None or any(_units(c, shard) or type(c).__name__ in shard for c in components),
         "model.fsdp.shard",
         list(shard or []),
         f"class names or name patterns of the components' modules ({listing})",
@@ -213,15 +213,18 @@ def check_policy(
 
 
 def _units(component: nn.Module, shard: Sequence[str] | None) -> list[nn.Module]:
+    """The modules of ``component`` sharded as units (innermost first; the component's root is sharded after them
+    anyway, so naming its own class adds no unit). A named container without a forward (ModuleList, ModuleDict:
+    ``fully_shard`` refuses those) gives its children with parameters; a module without parameters is no unit."""
     if shard is None:
         return list(_children_with_parameters(component))
-    picked = [
-        m
-        for name, m in component.named_modules()
-        if name and any(type(m).__name__ == p or fnmatch.fnmatchcase(name, p) for p in shard)
-    ]
+    picked: dict[int, nn.Module] = {}
+    for name, m in component.named_modules():
+        if name and any(type(m).__name__ == p or fnmatch.fnmatchcase(name, p) for p in shard):
+            units = _children_with_parameters(m) if isinstance(m, nn.ModuleList | nn.ModuleDict) else [m]
+            picked.update((id(u), u) for u in units if any(True for _ in u.parameters()))
     depth = {id(m): name.count(".") for name, m in component.named_modules()}
-    return sorted(picked, key=lambda m: -depth[id(m)])
+    return sorted(picked.values(), key=lambda m: -depth[id(m)])
 
 
 def _children_with_parameters(module: nn.Module) -> Iterable[nn.Module]:

@@ -11,10 +11,11 @@ signalled, in the middle of whatever collective that rank was in.
 exits 1 keeping only the last epoch-end save) with the same. A handler only notes the signal (a
 second Ctrl-C stops at once, unsaved, as Python's own would). At the
 end of a batch that took an optimizer step (never between the micro-batches of one step) the ranks
-agree — one ``all_reduce(MAX)`` of three flags under DDP, nothing at all in one process — on "a signal
-came", on "the checkpoint's time interval is due" and, at an epoch's end, on "an epoch-end save is
-due" (`multiloss.callbacks.Checkpoint`'s ``last_every_minutes`` and ``epoch_save_seconds``, judged on
-every rank's clock, so no rank decides alone). Then every rank
+agree — one ``all_reduce(MAX)`` of four flags under DDP, nothing at all in one process — on "a signal
+came", on "it was a requeue signal" (any rank's: the job is requeued), on "the checkpoint's time interval is
+due" and, at an epoch's end, on "an epoch-end save is due" (`multiloss.callbacks.Checkpoint`'s
+``last_every_minutes`` and ``epoch_save_seconds``, judged on every rank's clock, so no rank decides alone). Then
+every rank
 saves ``last.ckpt`` together, the state of that step with everything exact resume restores (the
 data position, RNG states, tbptt's carried state), and on a signal raises `RunPreempted`; the
 epoch's last batch is left to the epoch's end, where the checkpoint resumes into the next epoch.
@@ -147,6 +148,7 @@ class Preemption(LeanCallback):
         checkpoint = self._checkpoint
         flags = [
             self.signalled is not None,
+            self.signalled in REQUEUE_SIGNALS,
             checkpoint is not None and checkpoint.interval_due(),
             epoch_end and checkpoint is not None and checkpoint.epoch_save_due(trainer),
         ]
@@ -154,15 +156,19 @@ class Preemption(LeanCallback):
             agreed = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
             flags = [bool(v) for v in agreed.tolist()]
-        stop, due, epoch_due = flags
+        stop, requeue, due, epoch_due = flags
         if not (stop or due or epoch_due):
             return
         saved = checkpoint.save_last_now(trainer) if checkpoint is not None else None
         if not stop:
             return
+        # The signal's kind is agreed too: a requeue signal any rank saw is the job's (rank zero requeues it), even
+        # where this rank saw a SIGTERM or nothing yet (SLURM signals each node's tasks on its own).
         signum = self.signalled if self.signalled is not None else signal.SIGTERM  # another rank's signal
+        if requeue and signum not in REQUEUE_SIGNALS:
+            signum = signal.SIGUSR1
         requeued = None
-        if under_slurm() and signum in REQUEUE_SIGNALS and trainer.is_global_zero:
+        if under_slurm() and requeue and trainer.is_global_zero:
             requeued = _requeue()
         raise RunPreempted(signum, trainer.global_step, saved, requeued)
 
