@@ -15,9 +15,10 @@ class PreemptOnce(L.Callback):
     """On the job's first attempt, at ``step``, rank 0 asks SLURM to stop it: ``scontrol requeue`` (SLURM
     then sends SIGTERM to every task and queues the job again) or ``scancel --signal=USR1`` (every task
     gets SIGUSR1, as ``sbatch --signal=USR1@<s>`` sends it before the time limit; the run requeues
-    itself), or ``sigusr1_to_rank_1``: SIGUSR1 to rank 1 alone (SLURM signals each node's tasks on its own: rank 0's
-    may come later, or not before the agreement). The steps after it are slowed, so that the run is still training when the signal lands; with
-    ``hold``, the batch of ``step`` waits for the signal instead (a stop on that very batch).
+    itself), or ``sigusr1_to_rank_1``: SIGUSR1 to rank 1 alone (SLURM signals each node's tasks on its own:
+    rank 0's may come later, or not before the agreement). The steps after it are slowed, so that the run is
+    still training when the signal lands; with ``hold``, the batch of ``step`` waits for the signal instead (a
+    stop on that very batch).
     Writes ``preempted.txt`` (the step the run saved) into the run dir when the run stops.
     """
 
