@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -435,18 +436,29 @@ class JacobianDescent(GradientBalancer):
         return gradient_surrogate(grads, self.aggregator(grads.vectors))
 
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
-        # torchjd's Gramian-weighted aggregators (UPGrad, MGDA, ...) are a weighting of the Gramian: J ↦ Jᵀ·w(JJᵀ).
-        weighting = getattr(self.aggregator, "gramian_weighting", None)
-        require(
-            weighting is not None,
-            "model.balancer.aggregator",
-            type(self.aggregator).__name__,
-            "an aggregator torchjd defines by a Gramian weighting (UPGrad, MGDA, ...) for scope=global under FSDP, "
-            "or model.balancer.scope=rank",
-            "the sharded rule sees the tasks' Gramian, not their gradients",
-        )
-        coefficients = weighting(gramian)
+        coefficients = _gramian_weighting(self.aggregator)(gramian)
         return GramianRule(coefficients, torch.ones_like(coefficients))
+
+    @staticmethod
+    def check_sharded_rule(spec: dict[str, Any]) -> None:
+        """Refuse, before the run starts, an aggregator the sharded rule (``scope=global`` under FSDP2) cannot run."""
+        from hydra.utils import instantiate
+
+        _gramian_weighting(instantiate(spec["aggregator"]))
+
+
+def _gramian_weighting(aggregator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """torchjd's Gramian-weighted aggregators (UPGrad, MGDA, ...) are a weighting of the Gramian: J ↦ Jᵀ·w(JJᵀ)."""
+    weighting = getattr(aggregator, "gramian_weighting", None)
+    require(
+        weighting is not None,
+        "model.balancer.aggregator",
+        type(aggregator).__name__,
+        "an aggregator torchjd defines by a Gramian weighting (UPGrad, MGDA, ...) for scope=global under FSDP, "
+        "or model.balancer.scope=rank",
+        "the sharded rule sees the tasks' Gramian, not their gradients",
+    )
+    return weighting
 
 
 class GradNorm(GradientBalancer):

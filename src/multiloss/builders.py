@@ -24,11 +24,12 @@ from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
 from multiloss.distributed import HydraJobLauncher, multiloss_ddp
 from multiloss.module import Recipe
-from multiloss.sharding import FSDPStrategy
+from multiloss.sharding import FSDPStrategy, check_sharded_run
 
 
 def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
     """The Trainer of ``cfg.trainer`` with its loggers and every callback of a run (`run_callbacks`)."""
+    check_sharded_run(cfg.trainer)  # a precision the CPU cannot shard in, before Lightning's own refusal
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
@@ -78,7 +79,7 @@ def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_lo
         kept = [c for c in configured if not isinstance(c, ModelCheckpoint | LearningRateMonitor | LossCurves)]
         return [*first, *kept]
     always = [RngState(), RunRecord(cfg), NonFiniteGuard(cfg.get("nonfinite", "stop")), GraphLeakDetector()]
-    return [*first, *configured, *always, Preemption(), ReportOnce(), ResumeRule()]
+    return [*first, *configured, *always, Preemption(), ReportOnce(), ResumeRule(cfg.get("ckpt_path"))]
 
 
 def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:

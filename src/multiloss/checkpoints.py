@@ -19,6 +19,7 @@ garbage. Here:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -52,9 +53,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600: teammates and other jobs read it as any file
-            os.replace(tmp_name, target)
+            replace(Path(tmp_name), target)
             tmp_name = None
-            _fsync_dir(target.parent)  # the rename itself survives a crash
         except (OSError, RuntimeError) as err:  # a full disk surfaces from torch.save's zip writer as RuntimeError
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             if isinstance(err, RuntimeError):
@@ -72,6 +72,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(
             path, map_location=map_location or (lambda storage, loc: storage), weights_only=True
         )
+
+
+def replace(new: Path, target: Path) -> None:
+    """Put ``new`` (a file, or a sharded checkpoint's directory) where ``target`` is, whichever of the two ``target``
+    is now (a run continued under another trainer, in its own run dir): one rename when the kinds agree; else the
+    old one renamed aside, ``new`` renamed in, the old one removed — a moment between two renames with neither."""
+    if target.is_dir() or (new.is_dir() and target.exists()):
+        aside = target.with_name(f".{target.name}.replaced-{os.getpid()}")
+        os.replace(target, aside)
+        os.replace(new, target)
+        shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+    else:
+        os.replace(new, target)
+    _fsync_dir(target.parent)  # the rename itself survives a crash
 
 
 def _umask() -> int:
@@ -153,18 +167,7 @@ def _read_whole(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] | 
 
 def _read_sharded(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] | None]]:
     """meta.pt's entries, and the whole shapes of the tensors the shards' metadata lists (no shard is read)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:
-        raise ConfigError(
-            "ckpt_path", path, "a sharded checkpoint (.metadata and .distcp files)", f"cannot read it: {err}"
-        ) from None
-    shards = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    missing = sorted(shards - {p.name for p in Path(path).iterdir()})
-    if missing:
-        raise ConfigError("ckpt_path", path, "a whole sharded checkpoint", f"shard files missing: {missing[:3]}")
+    metadata = check_sharded(path)
     checkpoint = _read_meta(Path(path))
     prefix = "state_dict."
     shapes = {
@@ -175,17 +178,63 @@ def _read_sharded(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...] 
     return checkpoint, shapes
 
 
-def _load(path: str) -> dict[str, Any]:
+def _load(path: str, key: str = "ckpt_path") -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ConfigError(
-            "ckpt_path", path, "a checkpoint of tensors and plain values", f"cannot load it: {err}"
-        ) from None
+        raise ConfigError(key, path, "a checkpoint of tensors and plain values", f"cannot load it: {err}") from None
     return checkpoint if isinstance(checkpoint, dict) else {}
 
 
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors (Lightning's ModelParallelStrategy writes it)
+
+
+def check_sharded(path: str | Path, key: str = "ckpt_path") -> Any:
+    """The shards' metadata of the sharded checkpoint ``path``, once it is whole: its ``.metadata`` readable, its
+    ``meta.pt`` there, every shard file it lists there and as long as the metadata says (a save that did not
+    finish, a copy cut short); otherwise a `ConfigError` under ``key``. Reads no tensor: every rank can ask."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = Path(path)
+    accepted = "a whole sharded checkpoint (a directory of .distcp shards, their .metadata and meta.pt)"
+    if not (root / ".metadata").is_file():
+        raise ConfigError(
+            key, str(path), accepted, "no .metadata in it: a sharded save that did not finish, or a damaged copy"
+        )
+    try:
+        metadata = FileSystemReader(str(root)).read_metadata()
+    except Exception as err:
+        raise ConfigError(key, str(path), accepted, f"its .metadata cannot be read: {err}") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in ends if not (root / name).is_file())
+    if missing:
+        raise ConfigError(key, str(path), accepted, f"shard files missing: {missing[:3]}")
+    short = sorted(name for name, end in ends.items() if (root / name).stat().st_size < end)
+    if short:
+        raise ConfigError(key, str(path), accepted, f"shard files cut short (truncated): {short[:3]}")
+    if not (root / META).is_file():
+        raise ConfigError(
+            key, str(path), accepted, f"no {META} in it (the run's state besides the tensors: loops, callbacks, config)"
+        )
+    _load(str(root / META), key)
+    return metadata
+
+
+def sharded_metadata(path: str | Path) -> dict[str, Any]:
+    """What a resume needs to know of a sharded checkpoint before it loads: meta.pt's entries (``meta``) and, per
+    optimizer index, the setting names of each of its param groups (``group_settings``), from the shards' metadata."""
+    metadata = check_sharded(path)
+    settings: dict[int, dict[int, set[str]]] = {}
+    for name in metadata.state_dict_metadata:
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[0].startswith("optimizer_") and parts[1] == "param_groups":
+            index, group = int(parts[0].split("_")[1]), int(parts[2])
+            if parts[3] != "params":
+                settings.setdefault(index, {}).setdefault(group, set()).add(parts[3])
+    groups = {index: [by_group[g] for g in sorted(by_group)] for index, by_group in settings.items()}
+    return {"meta": _read_meta(Path(path)), "group_settings": groups}
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -233,7 +282,8 @@ def _indexed(state: dict[str, Any]) -> dict[str, Any]:
 
 def consolidate(path: str | Path, out: str | Path) -> Path:
     """Write the sharded checkpoint ``path`` as one file ``out`` (atomically; never over an existing file)."""
-    require(is_sharded_checkpoint(path), "checkpoint", str(path), "a sharded checkpoint (a directory with .metadata)")
+    require(Path(path).is_dir(), "checkpoint", str(path), "a sharded checkpoint (a directory with .metadata)")
+    check_sharded(path, "checkpoint")
     out = Path(out)
     require(not out.exists(), "out", str(out), "a path where nothing is yet", "it exists (never overwritten)")
     AtomicCheckpointIO().save_checkpoint(read_sharded_checkpoint(path), out)
@@ -246,18 +296,23 @@ def mid_epoch(checkpoint: dict[str, Any]) -> bool:
     return progress.get("started", 0) > progress.get("processed", 0)
 
 
-def verify_position(checkpoint: dict[str, Any], batches: dict[str, Any], batch_size: Any, world_size: int) -> None:
-    """Raise `ConfigError` if a mid-epoch ``checkpoint`` would resume with another batch size or number of ranks.
+def verify_position(checkpoint: dict[str, Any], batches: dict[str, Any], batch_size: Any, world_size: int) -> list[str]:
+    """Raise `ConfigError` if a mid-epoch ``checkpoint`` would resume with another batch size or number of ranks;
+    the changes a resume at an epoch's end makes (one line each, for the run to say).
 
     Its place in the epoch is a count of batches of its size on its ranks: another size or world would
     start the rest of the epoch elsewhere (examples skipped or seen twice) and tbptt's carried state
     would have the wrong number of streams. At an epoch's end either may change.
     """
-    if not batches or not mid_epoch(checkpoint):
-        return
+    if not batches:
+        return []
     saved_size, saved_world = batches.get("batch_size"), batches.get("world_size")
+    changes = []
     for key, now, then in (("data.batch_size", batch_size, saved_size), ("trainer.devices", world_size, saved_world)):
-        if then is not None and now is not None and now != then:
+        if then is not None and now is not None and now != then and not mid_epoch(checkpoint):
+            what = "per rank" if key == "data.batch_size" else "ranks (devices × nodes)"
+            changes.append(f"{key}: {now} {what} (the checkpoint's {then}), from this epoch on")
+        elif then is not None and now is not None and now != then:
             what = "per-rank batch size" if key == "data.batch_size" else "number of ranks (devices × nodes)"
             raise ConfigError(
                 key,
@@ -267,3 +322,26 @@ def verify_position(checkpoint: dict[str, Any], batches: dict[str, Any], batch_s
                 f"the checkpoint was saved mid-epoch, its place in the epoch counted in batches of {saved_size} "
                 f"on {saved_world} rank(s)",
             )
+    return changes
+
+
+def refuse_a_bound_already_reached(checkpoint: dict[str, Any], max_steps: Any, max_epochs: Any) -> None:
+    """Raise `ConfigError` when the checkpoint's run is already at or past ``trainer.max_steps`` (or has finished
+    ``trainer.max_epochs``): the resume would train nothing and write an empty run record."""
+    step = checkpoint.get("global_step")
+    if isinstance(max_steps, int) and max_steps > 0 and isinstance(step, int) and step >= max_steps:
+        raise ConfigError(
+            "trainer.max_steps",
+            max_steps,
+            f"more than the checkpoint's {step} steps (it trained that far already), or -1 (max_epochs bounds it)",
+            "the run is already past it: nothing to train",
+        )
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    finished = progress.get("processed")  # epochs whose batches all ran (a mid-epoch save's epoch is not one)
+    if isinstance(max_epochs, int) and max_epochs > 0 and finished is not None and finished >= max_epochs:
+        raise ConfigError(
+            "trainer.max_epochs",
+            max_epochs,
+            f"more than the {finished} epoch(s) the checkpoint's run finished",
+            "the run is already past it: nothing to train",
+        )

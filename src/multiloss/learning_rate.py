@@ -125,7 +125,15 @@ def _saved_plan(state: dict[str, Any] | None, plan: RatePlan, groups: list[dict[
     return RatePlan(plan.key, bases, 1.0, {}, plan.schedule)
 
 
-def _schedule_changes(plan: RatePlan, saved: RatePlan, schedule_state: dict[str, Any] | None) -> list[str]:
+def refuse_other_schedules(plans: list[RatePlan], checkpoint: dict[str, Any]) -> None:
+    """`ConfigError` if a plan's schedule is of another class than the checkpoint's (whose ``LR_KEY`` entry says)."""
+    saved_plans = checkpoint.get(LR_KEY) or {}
+    for plan in plans:
+        if (state := saved_plans.get(plan.key)) is not None:
+            _same_schedule_class(plan, RatePlan(**state))
+
+
+def _same_schedule_class(plan: RatePlan, saved: RatePlan) -> None:
     if saved.schedule.get("_target_") != plan.schedule.get("_target_"):
         raise ConfigError(
             "model.scheduler._target_",
@@ -134,6 +142,10 @@ def _schedule_changes(plan: RatePlan, saved: RatePlan, schedule_state: dict[str,
             "under (its progress has no meaning for another); another schedule is a new run",
             "the checkpoint's run was trained under another schedule",
         )
+
+
+def _schedule_changes(plan: RatePlan, saved: RatePlan, schedule_state: dict[str, Any] | None) -> list[str]:
+    _same_schedule_class(plan, saved)
     if schedule_state is not None and plan.scheduled:
         # The configuration is the config's; the progress (steps taken, a plateau's best and cuts) the run's.
         current = plan.schedule

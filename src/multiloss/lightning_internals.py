@@ -223,6 +223,12 @@ def set_threads_per_rank(num_processes: int) -> None:
     fabric_distributed._set_num_threads_if_needed(num_processes=num_processes)
 
 
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether a `ModelParallelStrategy` writes a directory of shards (``save_distributed_checkpoint=True``,
+    ``_save_distributed_checkpoint``) rather than one gathered file."""
+    return bool(strategy._save_distributed_checkpoint)
+
+
 def use_data_parallel_world(strategy: Any) -> None:
     """Make a `ModelParallelStrategy` shard over every rank, no tensor parallelism (its ``"auto"`` sizes are the
     nodes and the devices of one node: ``_data_parallel_size``, ``_tensor_parallel_size``)."""
@@ -291,6 +297,7 @@ READS = (
     "lightning.pytorch.strategies.ddp:DDPStrategy._get_process_group_backend",
     "lightning.pytorch.strategies.strategy:Strategy()._launcher",
     "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._data_parallel_size",
+    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._save_distributed_checkpoint",
     "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._tensor_parallel_size",
     "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
     "lightning.pytorch.strategies.launchers.subprocess_script:_hydra_subprocess_cmd",

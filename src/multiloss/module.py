@@ -198,7 +198,6 @@ class Recipe(L.LightningModule):
     def check_sharding(self, trainer: L.Trainer) -> None:
         """Refuse what sharded training (FSDP2) cannot do with this recipe's settings (`multiloss.train` asks before
         any process starts)."""
-        sharding.check_sharded_run(trainer.precision, trainer.accelerator.__class__.__name__)
         sharding.check_policy(self, self.components, self.fsdp["shard"], self.fsdp["checkpoint"])
 
     def setup(self, stage: str) -> None:

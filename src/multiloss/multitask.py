@@ -72,6 +72,10 @@ class MultiTaskRecipe(Recipe):
             "the sharded rule reduce-scatters each task's gradient of a micro-batch that steps; micro-batches that "
             "do not step keep whole gradients",
         )
+        if scope == "global" and self._combines_gradients():  # what the rule on the shards cannot compute
+            check = getattr(get_object(self.balancer_spec["_target_"]), "check_sharded_rule", None)
+            if check is not None:
+                check(self.balancer_spec)
 
     def _combines_gradients(self) -> bool:
         target = (self.balancer_spec or {}).get("_target_")

@@ -46,6 +46,14 @@ def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
     last = Path(output_dir) / "checkpoints" / "last.ckpt"
     counts = [os.environ.get(name, "0") for name in RESTART_COUNTS]
     restarted = any(count.isdigit() and int(count) > 0 for count in counts)
+    if (ckpt_path == "last" or restarted) and last.is_dir() and not is_sharded_checkpoint(last):
+        # Not "no checkpoint": a sharded one whose .metadata is gone. A fresh start would train over the run.
+        raise ConfigError(
+            "ckpt_path",
+            str(last),
+            "a whole sharded checkpoint (its .metadata written last, when every shard is in), or a new run dir",
+            "it is a directory without .metadata: a sharded save that did not finish, or a damaged copy",
+        )
     if ckpt_path == "last" or (restarted and checkpoint_exists(last)):
         return str(last) if checkpoint_exists(last) else None
     return ckpt_path

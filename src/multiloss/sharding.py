@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import shutil
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +87,29 @@ class FSDPStrategy(ModelParallelStrategy):
         finally:
             for unit in units:
                 unit.set_requires_gradient_sync(True, recurse=False)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's sharded save into a staging directory beside ``filepath``, then put in its place whole.
+
+        Written in place, a save cut short (a kill, a full disk) left old and new shards mixed under the old
+        ``.metadata``; and a file ``last.ckpt`` (the run continued from a DDP or one-device run) was deleted by each
+        rank in turn before the shards went in. Here the checkpoint is the old one or the new one (a file or a
+        directory, either way: `multiloss.checkpoints.replace`). Every rank calls it (Lightning saves on all)."""
+        if not internals.saves_distributed_checkpoint(self):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from multiloss.checkpoints import replace
+
+        target = Path(self.broadcast(str(filepath)))
+        staging = target.with_name(f".{target.name}.partial")
+        if self.global_rank == 0 and staging.exists():  # a save killed before its end
+            shutil.rmtree(staging) if staging.is_dir() else staging.unlink()
+        self.barrier("multiloss_checkpoint_staging")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("multiloss_checkpoint_written")
+        if self.global_rank == 0:
+            replace(staging, target)
+        self.barrier("multiloss_checkpoint_in_place")
+        return None
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
@@ -274,14 +299,24 @@ def mixed_precision_policy(trainer: Any) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def check_sharded_run(precision: str, accelerator: str) -> None:
-    """Refuse a precision gloo cannot reduce (bf16 collectives) on the CPU."""
-    if accelerator == "CPUAccelerator" and "bf16" in str(precision):
+def check_sharded_run(trainer_cfg: Any) -> None:
+    """Refuse, before Lightning builds the Trainer, a sharded run's precision the CPU cannot train in: gloo has no
+    bf16 collectives for FSDP2's reduce-scatter, and Lightning's ModelParallelStrategy refuses 16-mixed (its own
+    message then suggests bf16, which the CPU cannot do either). Nothing for another strategy."""
+    strategy = trainer_cfg.get("strategy")
+    target = strategy.get("_target_", "") if hasattr(strategy, "get") else ""
+    if not (target == f"{__name__}.FSDPStrategy" or target.endswith("ModelParallelStrategy")):
+        return
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    precision = str(trainer_cfg.get("precision", "32-true"))
+    if on_cpu and precision not in ("32-true", "32", "64-true", "64"):
         raise ConfigError(
             "trainer.precision",
             precision,
-            "32-true with trainer=fsdp_cpu (or trainer=fsdp on GPUs for bf16)",
-            "gloo, the CPU's backend, has no bf16 collectives for FSDP's reduce-scatter",
+            "32-true with trainer=fsdp_cpu (on GPUs, trainer=fsdp takes bf16-mixed)",
+            "gloo, the CPU's backend, has no bf16 collectives for FSDP2's reduce-scatter, and Lightning's "
+            "ModelParallelStrategy does not support 16-mixed",
         )
 
 

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer, error_from_lightning
 from multiloss.callbacks.run_record import BATCHES_KEY, RunRecord
-from multiloss.checkpoints import verify_checkpoint, verify_position
+from multiloss.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
 from multiloss.module import Recipe
 from multiloss.pitfalls import explain
 from multiloss.run_dir import claimed, launch_rank_zero, resume_from
 from multiloss.sharding import is_sharded
 from multiloss.stalls import explain_stall, is_stall, last_checkpoint
+
+log = logging.getLogger("multiloss")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -35,6 +39,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def _train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train")
+    if (streams := getattr(datamodule, "streams", None)) is not None:
+        streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
     record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
     if isinstance(model, Recipe) and is_sharded(trainer.strategy):
         model.check_sharding(trainer)  # what FSDP2 cannot do, before its processes start
@@ -45,9 +51,12 @@ def _train(cfg: DictConfig) -> dict[str, float]:
         )
     if cfg.get("ckpt_path"):
         checkpoint = verify_checkpoint(cfg.ckpt_path, model)
-        verify_position(
+        refuse_a_bound_already_reached(checkpoint, trainer.max_steps, trainer.max_epochs)
+        changes = verify_position(
             checkpoint, checkpoint.get(BATCHES_KEY), getattr(datamodule, "batch_size", None), trainer.world_size
         )
+        for change in changes:
+            log.info("resuming with %s", change)
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)

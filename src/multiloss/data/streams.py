@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from multiloss.config import require
+from multiloss.config import ConfigError, require
 
 
 def batchify(ids: torch.Tensor, streams: int) -> torch.Tensor:
@@ -53,14 +53,17 @@ def rank_streams(ids: torch.Tensor, per_rank: int, world_size: int, rank: int) -
     return batchify(ids, per_rank * world_size)[rank * per_rank : (rank + 1) * per_rank]
 
 
-def check_streams(ids: torch.Tensor, per_rank: int, part: str, key: str = "batch_size") -> None:
-    """Raise `ConfigError` unless ``ids`` give every one of ``per_rank`` streams at least one window."""
+def check_streams(ids: torch.Tensor, per_rank: int, part: str, key: str = "batch_size", world_size: int = 1) -> None:
+    """Raise `ConfigError` unless ``ids`` give every one of the ``world_size × per_rank`` streams at least one
+    window (a rank left with empty streams would train or validate on nothing, silently)."""
+    most = len(ids) // 2 // world_size
+    ranks = f" a rank ({world_size} ranks)" if world_size > 1 else ""
     require(
-        len(ids) // per_rank >= 2,
+        len(ids) // (per_rank * world_size) >= 2,
         key,
         per_rank,
-        f"at most {len(ids) // 2} streams: the {part} text holds {len(ids)} tokens, and a stream needs 2 "
-        f"(an input and its next token); lower data.{key}",
+        f"at most {most} streams{ranks}: the {part} text holds {len(ids)} tokens, and each of the "
+        f"{per_rank * world_size} streams needs 2 (an input and its next token); lower data.{key}",
         f"too many {part} streams",
     )
 
@@ -76,6 +79,15 @@ class TokenStreams:
         self.per_rank = {"train": batch_size, "val": val_batch_size, "test": val_batch_size}
         for part, part_ids in ids.items():
             check_streams(part_ids, self.per_rank[part], part, "batch_size" if part == "train" else "val_batch_size")
+
+    def check(self, world_size: int) -> None:
+        """Every part's streams of every rank hold a window (`check_streams` over the ``world_size`` ranks)."""
+        try:
+            for part, part_ids in self.ids.items():
+                key = "batch_size" if part == "train" else "val_batch_size"
+                check_streams(part_ids, self.per_rank[part], part, key, world_size)
+        except ConfigError as err:  # asked by the run, not while the data module is built: its keys in full
+            raise err.under("data") from None
 
     def loader(self, part: str, world_size: int, rank: int) -> DataLoader:
         """The windows of this rank's ``part`` streams, in order: resumable mid-epoch for training (torchdata)."""
