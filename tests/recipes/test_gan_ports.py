@@ -106,6 +106,22 @@ def _color_images(n: int, size: int) -> torch.Tensor:
     return torch.stack([gray, gray.flip(-1), -gray], dim=1)
 
 
+def _dcgan_dir(tmp_path: Path, images: torch.Tensor, nc: int, sigmoid: bool = False) -> Path:
+    """The images as ``data=npz``'s file, and a config dir with DCGAN's two networks (nz 8, ngf = ndf 8)."""
+    np.savez(tmp_path / "images.npz", x=images.numpy())
+    extra = {"sigmoid": True} if sigmoid else {}
+    return _user_dir(
+        tmp_path / "configs",
+        "tests.recipes.gan_references.DCGANGenerator",
+        "tests.recipes.gan_references.DCGANDiscriminator",
+        nz=NZ,
+        ngf=8,
+        ndf=8,
+        nc=nc,
+        **extra,
+    )
+
+
 DCGAN = ("model.gp_weight=0", "model.n_critic=1", "model.g_input=same_fakes")
 
 
@@ -115,17 +131,7 @@ def test_dcgan_by_config_is_the_dcgan_loop_bit_for_bit(tmp_path, make_cfg):
     epoch (which must leave the training state alone). Every weight and BatchNorm buffer equal: 0.0."""
     n_train, n_val = 64, 16
     images = _color_images(n_train + n_val, 64)
-    np.savez(tmp_path / "images.npz", x=images.numpy())
-    config_dir = _user_dir(
-        tmp_path / "configs",
-        "tests.recipes.gan_references.DCGANGenerator",
-        "tests.recipes.gan_references.DCGANDiscriminator",
-        nz=NZ,
-        ngf=8,
-        ndf=8,
-        nc=3,
-        sigmoid=True,
-    )
+    config_dir = _dcgan_dir(tmp_path, images, nc=3, sigmoid=True)
     overrides = (
         *_overrides(tmp_path / "images.npz", "model.loss=bce", *DCGAN),
         "data.val_fraction=0.2",  # 16 of 80: the split's permutation puts them first
@@ -154,16 +160,7 @@ def test_the_logits_form_of_dcgan_is_its_loop_written_on_logits(tmp_path, make_c
     BCELoss it is the same function in another rounding, which a GAN trained with Adam amplifies: docs/recipes.md
     gives the drift measured (1e-7 after 8 iterations on some CPUs, 1e-4 on others; ~1e-3 by 24)."""
     images = _images(64)
-    np.savez(tmp_path / "images.npz", x=images.numpy())
-    config_dir = _user_dir(
-        tmp_path / "configs",
-        "tests.recipes.gan_references.DCGANGenerator",
-        "tests.recipes.gan_references.DCGANDiscriminator",
-        nz=NZ,
-        ngf=8,
-        ndf=8,
-        nc=1,
-    )
+    config_dir = _dcgan_dir(tmp_path, images, nc=1)
     overrides = _overrides(tmp_path / "images.npz", "model.loss=nonsaturating", *DCGAN)
     net_g, net_d = _initial(make_cfg, overrides, config_dir)
     images = _in_training_order(images)
@@ -181,16 +178,7 @@ def test_the_logits_form_of_dcgan_is_its_loop_written_on_logits(tmp_path, make_c
 
 def test_bce_refuses_a_discriminator_that_returns_logits(tmp_path, make_cfg):
     images = _images(64)
-    np.savez(tmp_path / "images.npz", x=images.numpy())
-    config_dir = _user_dir(
-        tmp_path / "configs",
-        "tests.recipes.gan_references.DCGANGenerator",
-        "tests.recipes.gan_references.DCGANDiscriminator",
-        nz=NZ,
-        ngf=8,
-        ndf=8,
-        nc=1,
-    )
+    config_dir = _dcgan_dir(tmp_path, images, nc=1)
     overrides = _overrides(tmp_path / "images.npz", "model.loss=bce", *DCGAN)
     # At setup when its scores on the checked examples leave [0, 1]; at the first step that shows it otherwise.
     with pytest.raises(ConfigError, match="ends in a Sigmoid") as err:
@@ -248,16 +236,7 @@ def test_the_default_step_is_the_wgan_gp_papers_algorithm_1(tmp_path, make_cfg):
 
 def test_a_batch_norm_critic_with_a_penalty_is_refused_in_one_line(tmp_path, make_cfg):
     images = _images(64)
-    np.savez(tmp_path / "images.npz", x=images.numpy())
-    config_dir = _user_dir(
-        tmp_path / "configs",
-        "tests.recipes.gan_references.DCGANGenerator",
-        "tests.recipes.gan_references.DCGANDiscriminator",
-        nz=NZ,
-        ngf=8,
-        ndf=8,
-        nc=1,
-    )
+    config_dir = _dcgan_dir(tmp_path, images, nc=1)
     overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.gp_weight=10")
     with pytest.raises(ConfigError, match="needs each sample's own gradient") as err:
         train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=tmp_path / "run"))
