@@ -87,14 +87,15 @@ def test_a_sharded_run_dir_resumes_as_a_file_one_does_and_under_any_trainer(tmp_
     assert "resuming with model.optimizer.lr=0.006 (the checkpoint's 0.003)" in proc.stdout + proc.stderr
     assert [logged_rates(out)[step] for step in range(6)] == [(0.003,)] * 3 + [(0.006,)] * 3
 
-    _ok(out, "trainer=cpu", "model.optimizer.lr=0.006", "trainer.max_steps=9", "ckpt_path=last")
-    assert (out / "checkpoints/last.ckpt").is_file() and _step(out) == 9
-    _ok(
-        out, *FSDP, "model.optimizer.lr=0.006", "trainer.max_steps=12", "ckpt_path=last", "model.fsdp.checkpoint=Linear"
-    )
-    assert is_sharded_checkpoint(out / "checkpoints/last.ckpt") and _step(out) == 12
-    _ok(out, "trainer=ddp_cpu", "model.optimizer.lr=0.006", "trainer.max_steps=15", "ckpt_path=last")
-    assert (out / "checkpoints/last.ckpt").is_file() and _step(out) == 15
+    # Its own dir under other trainers (each continued from an epoch's end: mid-epoch the ranks must stay 2), the
+    # checkpoint a file or a directory of shards as each writes it, in place of the other.
+    lr, epochs = "model.optimizer.lr=0.006", ("trainer.max_steps=-1", "ckpt_path=last")
+    _ok(out, "trainer=ddp_cpu", lr, *epochs, "trainer.max_epochs=1")  # was: hung after "max_epochs=1 reached"
+    assert (out / "checkpoints/last.ckpt").is_file() and _step(out) == 12  # 1438 digits / (64 × 2 ranks)
+    _ok(out, *FSDP, lr, *epochs, "trainer.max_epochs=2", "model.fsdp.checkpoint=Linear")
+    assert is_sharded_checkpoint(out / "checkpoints/last.ckpt") and _step(out) == 24
+    _ok(out, "trainer=cpu", lr, *epochs, "trainer.max_epochs=3")  # was: the epoch lost at the save, "Is a directory"
+    assert (out / "checkpoints/last.ckpt").is_file() and _step(out) == 24 + 23  # one rank: 1438 / 64
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt"]  # nothing staged or aside left
 
 

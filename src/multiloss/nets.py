@@ -20,6 +20,7 @@ import itertools
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
@@ -164,8 +165,24 @@ class CharLSTM(nn.Module):
         self.head = nn.Linear(hidden_size, vocab_size)
 
     def forward(self, tokens: torch.Tensor, hidden: Any = None) -> tuple[torch.Tensor, Any]:
-        out, hidden = self.lstm(self.embed(tokens), hidden)
+        out, hidden = self._recur(self.embed(tokens), hidden)
         return self.head(out), hidden
+
+    def _recur(self, x: torch.Tensor, hidden: Any) -> tuple[torch.Tensor, Any]:
+        """The LSTM; in fp32 under a CPU's bf16 autocast when oneDNN has no bf16 LSTM for this CPU (it needs AVX-512:
+        on an AVX2 CPU torch 2.13 raises "could not create a primitive descriptor for the LSTM"), the rest bf16."""
+        on_cpu_autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        if on_cpu_autocast and getattr(self, "_lstm_in_fp32", False):
+            with torch.autocast("cpu", enabled=False):
+                return self.lstm(x.float(), apply_to_collection(hidden, torch.Tensor, torch.Tensor.float))
+        try:
+            return self.lstm(x, hidden)
+        except RuntimeError as err:
+            if not (on_cpu_autocast and "primitive descriptor for the LSTM" in str(err)):
+                raise
+            rank_zero_warn("CharLSTM: this CPU has no bf16 LSTM (oneDNN needs AVX-512): the LSTM runs in fp32")
+            self._lstm_in_fp32 = True
+            return self._recur(x, hidden)
 
 
 def repackage_hidden(hidden: Any) -> Any:

@@ -63,6 +63,13 @@ def _train(cfg: DictConfig) -> dict[str, float]:
     except RuntimeError as err:
         if (monitored := _unknown_monitor(cfg, err)) is not None:
             raise monitored from None
+        if "could not create a primitive descriptor" in str(err) and "bf16" in str(trainer.precision):
+            raise ConfigError(
+                "trainer.precision",
+                trainer.precision,
+                "32-true on this CPU, or a GPU for bf16",
+                f"oneDNN has no bf16 kernel for a layer of the model on this CPU ({str(err).splitlines()[0][:120]})",
+            ) from None
         if is_stall(err):  # a collective not every rank reached: one message for the job, naming each rank's hook
             raise explain_stall(err, trainer, cfg.get("collective_timeout", 1800), last_checkpoint(trainer)) from None
         explain(err)  # an autograd pitfall gets its cause and fix under PyTorch's message
