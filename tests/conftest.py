@@ -104,6 +104,19 @@ def _few_threads():
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first: the SLURM group (one worker, minutes of jobs), then the other multi-process tests,
+    then the rest, so that no worker is left with a long test while the other has finished (xdist hands tests out
+    in this order)."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("xdist_group"):
+            return 0
+        return 1 if item.get_closest_marker("distributed") else 2
+
+    items.sort(key=rank)  # stable: within a rank, the collection order
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Under ``--dist loadgroup`` every test marked ``xdist_group`` must carry its group in its id (how xdist sends
     a group to one worker); when it does not (pytest 9.2 with xdist 3.8), each worker would start its own SLURM
