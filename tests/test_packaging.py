@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +18,14 @@ from tests.conftest import CONFIG_DIR, ROOT
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds, and two test
+    # workers building this checkout at once race on them (CI lost a run to it).
+    source = tmp_path_factory.mktemp("source") / "multiloss"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "outputs", "multirun", "__pycache__"),
+    )
     subprocess.run(
         [
             sys.executable,
@@ -28,7 +37,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-build-isolation",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
