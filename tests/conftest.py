@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,6 +97,16 @@ def load_checkpoint(ckpt: Path) -> dict:
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's ``state_dict`` (see `load_checkpoint`)."""
     return load_checkpoint(ckpt)["state_dict"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_pytests_own_dir(tmp_path_factory: pytest.TempPathFactory):
+    """`multiloss.testing`'s default dirs (`tempfile.mkdtemp`) under this session's basetemp, which pytest prunes,
+    rather than one /tmp/multiloss-* a test left for good (hundreds a run)."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tempfile"))
+    yield
+    tempfile.tempdir = before
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ from multiloss.recipes.gan import GAN as GANRecipe
 
 from multiloss import train
 from multiloss.checkpoints import verify_checkpoint
+from multiloss.cli import consolidate_main
 from multiloss.config import ConfigError
 from multiloss.data.vocabulary import pydoc_text
 from multiloss.run_dir import is_sharded_checkpoint
@@ -202,7 +203,7 @@ def _stopped(out: Path, *overrides: str) -> None:
     assert "run stopped: SIGTERM" in proc.stderr
 
 
-def test_a_sharded_run_stopped_at_every_kind_of_stop_ends_as_the_straight_run(tmp_path):
+def test_a_sharded_run_stopped_at_every_kind_of_stop_ends_as_the_straight_run(tmp_path, capsys):
     """The WGAN-GP (two optimizers, each on its own network's shards, the critic held whole) under a warm-up cosine:
     SIGTERM mid-epoch 0, SIGTERM on its last batch, an epoch end, ``max_steps`` mid-epoch 2, then the end — each
     continued with ``ckpt_path=last`` from the sharded checkpoint — ends with the weights and rates of a run never
@@ -225,12 +226,7 @@ def test_a_sharded_run_stopped_at_every_kind_of_stop_ends_as_the_straight_run(tm
     module = GANRecipe.load_from_checkpoint(last, weights_only=True)
     assert verify_checkpoint(last, module)["global_step"] == 36
     whole = tmp_path / "whole.ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-c", "from multiloss.cli import consolidate_main; consolidate_main()", str(last), str(whole)],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
+    consolidate_main([str(last), str(whole)])  # multiloss-consolidate, in this process (no process group needed)
     single = torch.load(whole, weights_only=True)
     expected = load_weights(last)
     assert all(torch.equal(single["state_dict"][k], v) for k, v in expected.items())
@@ -238,12 +234,9 @@ def test_a_sharded_run_stopped_at_every_kind_of_stop_ends_as_the_straight_run(tm
     assert all(isinstance(k, int) for k in single["optimizer_states"][0]["state"])  # Optimizer.state_dict's keys
     assert all(torch.equal(module.state_dict()[k], v) for k, v in expected.items())  # load_from_checkpoint
     # One file is never written over.
-    again = subprocess.run(
-        [sys.executable, "-c", "from multiloss.cli import consolidate_main; consolidate_main()", str(last), str(whole)],
-        capture_output=True,
-        text=True,
-    )
-    assert again.returncode == 2 and "never overwritten" in again.stderr
+    with pytest.raises(SystemExit) as refused:
+        consolidate_main([str(last), str(whole)])
+    assert refused.value.code == 2 and "never overwritten" in capsys.readouterr().err
 
     # A shard gone: the guard names it before anything runs.
     (last / "__1_0.distcp").rename(tmp_path / "moved.distcp")
