@@ -47,6 +47,15 @@ def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
     return testing.compose(*overrides, output_dir=output_dir)
 
 
+def train_here(out: Path, *overrides: str) -> Path:
+    """``python train.py <overrides> hydra.run.dir=<out>`` run in this process (`multiloss.train`, what the command
+    calls): a one-device reference run without a second interpreter's start-up."""
+    from multiloss import train
+
+    train(compose_config(list(overrides), out))
+    return out
+
+
 def _replaces_group(group: str, overrides: tuple[str, ...]) -> bool:
     return any(o.startswith(f"{group}=") for o in overrides)
 

@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
-from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_checkpoint, load_weights, run_cli
+from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_checkpoint, load_weights, run_cli, train_here
 from tests.helpers import char_streams, padded_tbptt, padded_token_npz
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -38,15 +38,6 @@ def _train(out: Path, *overrides: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = run_cli(*QUIET_RUN, *overrides, f"hydra.run.dir={out}", cwd=out.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
-def _train_here(out: Path, *overrides: str) -> Path:
-    """A one-device reference run in this process (`multiloss.train`, what ``python train.py`` calls): the
-    same run, without a second interpreter's start-up."""
-    from multiloss import train
-
-    train(compose_config([*QUIET_RUN, *overrides], out))
     return out
 
 
@@ -92,7 +83,7 @@ EQUIVALENCE = {
 def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, recipe):
     common = (f"recipe={recipe}", "data.shuffle=false", *EQUIVALENCE[recipe])
     two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16", *_counter(tmp_path / "ddp"))
-    one = _train_here(tmp_path / "one", *common, *ONE, "data.batch_size=32")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=32")
     _assert_same_weights(two, one)
     # Exactly one gradient all-reduce per optimizer step on each rank (small models: one bucket).
     for counts in _counts(two):
@@ -144,7 +135,7 @@ def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path, g_inp
         "trainer.num_sanity_val_steps=0",
     )
     two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16", *_counter(tmp_path / "ddp"))
-    one = _train_here(tmp_path / "one", *common, *ONE, "data.batch_size=32")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=32")
     _assert_same_weights(two, one)
     for counts in _counts(two):
         assert counts["optimizer_steps"] == 6
@@ -394,7 +385,7 @@ def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
     else:
         resume = ()
     two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16", *resume)
-    one = _train_here(tmp_path / "one", *common, *ONE, "data.batch_size=32")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=32")
     # Not DWA's running sums of the current epoch (extra state): each rank's are its own half.
     wa, wb = (load_weights(run / "checkpoints/last.ckpt") for run in (two, one))
     names = [k for k in wb if not k.endswith("_extra_state")]
@@ -415,7 +406,7 @@ def test_gradient_balancers_all_reduce_once_per_step_under_accumulation(tmp_path
     if balancer == "gradnorm":
         # One rank × 2b, k=2 as well (the losses a balancer sees carry Lightning's 1/k).
         single = (*BALANCED, "balancer=gradnorm", "model.accumulate_grad_batches=2", *ONE, "data.batch_size=32")
-        one = _train_here(tmp_path / "one", *single, "trainer.max_steps=1")
+        one = train_here(tmp_path / "one", *QUIET_RUN, *single, "trainer.max_steps=1")
         initial = [load_weights(run / "checkpoints/last.ckpt")["balancer._extra_state"] for run in (out, one)]
         torch.testing.assert_close(initial[0]["initial_losses"], initial[1]["initial_losses"], atol=1e-6, rtol=0)
 
@@ -435,7 +426,9 @@ def test_count_exact_accumulation_on_two_ranks_equals_one_batch_of_all_examples(
         "model.accumulate_grad_batches=4",
         "model.count_exact=true",
     )
-    one = _train_here(tmp_path / "one", *common, *ONE, "data.batch_size=128", "model.accumulate_grad_batches=1")
+    one = train_here(
+        tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=128", "model.accumulate_grad_batches=1"
+    )
     assert torch.load(two / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 12  # 11 full + the short one
     _assert_same_weights(two, one)
     # Both at linear LR scaling: 16 × 4 × 2 ranks = 128 × 1 × 1 = 128 vs base 64, SGD's 0.1 × 2.
@@ -462,7 +455,7 @@ def test_tbptt_count_exact_sums_every_ranks_tokens(tmp_path):
         "trainer.num_sanity_val_steps=0",
     )
     two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=2")
-    one = _train_here(tmp_path / "one", *common, *ONE, "data.batch_size=4")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=4")
     _assert_same_weights(two, one)
     # Not vacuous: averaging each rank's own token mean (what per-rank counts would give) differs.
     datamodule, module = build(

@@ -21,7 +21,7 @@ from multiloss.config import ConfigError
 from multiloss.nets import DeepSupervisionMLP
 from multiloss.run_dir import is_sharded_checkpoint
 from multiloss.sharding import _units, check_policy
-from tests.conftest import QUIET, ROOT, load_checkpoint, run_cli
+from tests.conftest import QUIET, ROOT, run_cli
 from tests.helpers import logged_rates
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -64,10 +64,6 @@ def _refused(out: Path, key: str, *overrides: str) -> str:
         assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
         assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
     return proc.stderr
-
-
-def _step(out: Path) -> int:
-    return load_checkpoint(out / "checkpoints/last.ckpt")["global_step"]
 
 
 def test_a_sharded_resume_applies_and_refuses_what_a_file_resume_does(tmp_path):

@@ -26,7 +26,7 @@ from multiloss.cli import consolidate_main
 from multiloss.config import ConfigError
 from multiloss.data.vocabulary import pydoc_text
 from multiloss.run_dir import is_sharded_checkpoint
-from tests.conftest import QUIET, ROOT, SMALL_GAN, compose_config, load_weights, run_cli
+from tests.conftest import QUIET, ROOT, SMALL_GAN, load_weights, run_cli, train_here
 from tests.helpers import logged_rates
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -168,8 +168,7 @@ def test_the_sharded_rule_is_one_devices_rule_on_the_global_batch(tmp_path, reci
     weights."""
     common = (f"recipe={recipe}", f"balancer={balancer}", *SMALL_NET, "optimizer=sgd", "trainer.max_steps=6")
     sharded = _train(tmp_path / "fsdp", *common, "model.balancer.scope=global", "data.batch_size=64", *FSDP)
-    one = tmp_path / "one"  # one device, in this process
-    train(compose_config([*QUIET_RUN, *common, "data.batch_size=128", "trainer=cpu"], one))
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, "data.batch_size=128", "trainer=cpu")
     worst = _worst(sharded, one)
     print(f"{balancer} scope=global: FSDP2 2 x 64 vs one device x 128, largest weight difference {worst:.2g}")
     assert worst <= 1e-5
