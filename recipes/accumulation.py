@@ -180,26 +180,19 @@ class Accumulation(Recipe):
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt = self.prepare_batch(batch), self.optimizers()
-        stepping = self.ends_optimizer_step(
-            batch_idx
-        )  # every accumulate_grad_batches-th micro-batch, and an epoch's last
-        with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
+        batch = self.prepare_batch(batch)
+        # The block steps on every k-th micro-batch (and an epoch's last): clipping, step, zeroing, schedule; under
+        # DDP only that micro-batch's backward all-reduces.
+        with self.step_of(self.optimizers(), batch_idx) as step:
             logits = self(batch["x"])
             if self.count_exact:  # the micro-batch's summed loss over every example of its step, all ranks'
                 summed = F.cross_entropy(logits, batch["y"], reduction="sum")
                 loss = summed.detach() / len(batch["y"])
-                self.manual_backward(summed * (self.trainer.world_size / self.examples_in_step(batch_idx)))
+                step.backward(summed * (self.trainer.world_size / self.examples_in_step(batch_idx)), scaled=True)
             else:  # loss / k: k micro-batches of b sum to the gradient of the mean over k·b
                 loss = F.cross_entropy(logits, batch["y"])
-                k = self.accumulate_grad_batches
-                self.manual_backward(loss if k == 1 else loss / k)
-        self.log_losses({"total": loss}, batch_size=len(batch["y"]))
-        if stepping:
-            self.clip_gradients(opt)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        self.step_lr_schedule(opt, stepping)
+                step.backward(loss)
+            self.log_losses({"total": loss}, batch_size=len(batch["y"]))
 
     def examples_in_step(self, batch_idx: int) -> int:
         """How many examples, over every rank, the optimizer step that micro-batch ``batch_idx`` belongs to sees.

@@ -62,6 +62,7 @@ from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
 from multiloss.metrics import ModeCoverage
 from multiloss.module import Recipe
+from multiloss.saved_state import NOISE_KEY
 
 
 def _batch_norms(module: nn.Module) -> list[str]:
@@ -349,10 +350,10 @@ class GAN(Recipe):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._noise is not None:
-            checkpoint["gan_noise_state"] = self._noise.get_state()  # a uint8 tensor: weights_only loads it
+            checkpoint[NOISE_KEY] = self._noise.get_state()  # a uint8 tensor: weights_only loads it
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._noise, self._noise_state = None, checkpoint.get("gan_noise_state")
+        self._noise, self._noise_state = None, checkpoint.get(NOISE_KEY)
 
     def discriminator_losses(
         self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None
@@ -393,51 +394,40 @@ class GAN(Recipe):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch, (opt_g, opt_d) = self.prepare_batch(batch), self.optimizers()
-        real, k = batch["x"], self.accumulate_grad_batches
-        d_steps = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
+        real = batch["x"]
         g_steps = self.generator_steps_after(batch_idx)
         z, eps = self.noise(len(real))
         # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step below (through G's own
         # DDP wrapper, whose backward is then G's step's).
         kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
 
-        # Discriminator micro-batch. Inside the block only D's weights require grad (toggle_model), and
-        # DDP all-reduces only when D steps (under FSDP2 with a penalty, D is held whole for the block and its
-        # gradients handed over at its end); the fakes are detached as well, so D's backward stops at D's input
-        # whatever built them.
-        with opt_d.toggle_model(sync_grad=d_steps), self.whole_step(d_steps, "discriminator"):
+        # Discriminator micro-batch; D steps on every k-th batch (and an epoch's last). Inside the block only D's
+        # weights require grad (toggle), DDP all-reduces only when D steps (under FSDP2 with a penalty, D is held
+        # whole for the block, its gradients handed over at its end); the fakes are detached as well, so D's
+        # backward stops at D's input whatever built them.
+        with self.step_of(opt_d, batch_idx, components=("discriminator",), toggle=True) as d_step:
             fake = (kept if kept is not None else self.generator(z)).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
             if self.loss == "bce":  # dcgan/main.py's two backward calls, real then fake (gradients summed in .grad)
-                with self.without_gradient_sync():  # the second one syncs the sum
-                    self.manual_backward(d_losses["d_real"] if k == 1 else d_losses["d_real"] / k)
-                self.manual_backward(d_losses["d_fake"] if k == 1 else d_losses["d_fake"] / k)
+                d_step.backward(d_losses["d_real"], sync=False)  # the second one syncs the sum
+                d_step.backward(d_losses["d_fake"])
             else:
-                self.manual_backward(d_losses["d"] if k == 1 else d_losses["d"] / k)
-        self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
-        self._d_step_noise.append(z)
-        if d_steps:
-            self.clip_gradients(opt_d)
-            opt_d.step()
-            opt_d.zero_grad(set_to_none=True)
-        self.step_lr_schedule(opt_d, d_steps)
+                d_step.backward(d_losses["d"])
+            self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
+            self._d_step_noise.append(z)
 
-        # Generator step: k micro-batches through the D that opt_d.step() has just updated in place (G's loss
-        # is built only now, never through a graph from before that step), on g_input's noise.
-        if g_steps:
+        # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
+        # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
+        with self.step_of(opt_g, stepping=g_steps, components=("generator",), toggle=True) as g_step:
             g_losses = []
-            for micro in range(k):
-                with opt_g.toggle_model(sync_grad=micro == k - 1):
-                    g_loss = self.generator_loss(kept if kept is not None else self.generator_output(micro, len(real)))
-                    self.manual_backward(g_loss if k == 1 else g_loss / k)
+            for micro in g_step.micro_batches(self.accumulate_grad_batches if g_steps else 0):
+                g_loss = self.generator_loss(kept if kept is not None else self.generator_output(micro, len(real)))
+                g_step.backward(g_loss)
                 g_losses.append(g_loss.detach())
-            self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
-            self.clip_gradients(opt_g)
-            opt_g.step()
-            opt_g.zero_grad(set_to_none=True)
-        self.step_lr_schedule(opt_g, g_steps)
-        if d_steps:
-            self._d_step_noise = []
+            if g_losses:
+                self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
+        if d_step.stepping:
+            self._d_step_noise = []  # the next D step's micro-batches start a new list
 
     def generator_steps_after(self, batch_idx: int) -> bool:
         """Whether G steps after training batch ``batch_idx``: after D's n_critic-th step of a group (``last``), or

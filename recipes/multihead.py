@@ -140,22 +140,15 @@ class MultiHead(MultiTaskRecipe):
         return self.head_weights or [1.0] * len(names)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt, k = self.prepare_batch(batch), self.optimizers(), self.accumulate_grad_batches
-        stepping = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
-        with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
+        batch = self.prepare_batch(batch)
+        # The block steps on every k-th micro-batch (and an epoch's last): clipping, step, zeroing, schedule.
+        with self.step_of(self.optimizers(), batch_idx) as step:
             per_head = self.head_losses(batch)
             balanced = self.balance(per_head)  # Σ wᵢ·CE(headᵢ): head_weights, or the balancer's weights
-            # One backward: autograd sums the heads' contributions where they meet in the trunk. (PCGrad & co.:
-            # a scalar whose gradient is their combination of the heads' gradients.)
-            loss = balanced.total if balanced.surrogate is None else balanced.surrogate
-            if not balanced.backwarded:  # (scope=global under FSDP2: the rule wrote the shards' .grad itself)
-                self.manual_backward(loss if k == 1 else loss / k)
-        self.log_losses({**per_head, "total": balanced.total.detach()}, batch_size=len(batch["y"]))
-        if stepping:
-            self.clip_gradients(opt)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        self.step_lr_schedule(opt, stepping)
+            # One backward of the sum, loss / k: autograd adds the heads' contributions where they meet in the trunk.
+            # (PCGrad & co.: a scalar whose gradient is their combination of the heads' gradients.)
+            balanced.backward(step, as_sum=True)
+            self.log_losses({**per_head, "total": balanced.total.detach()}, batch_size=len(batch["y"]))
 
     # --- validation ---------------------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from multiloss.config import ConfigError, require
 from multiloss.data.vocabulary import Vocabulary
 from multiloss.module import Recipe
 from multiloss.nets import repackage_hidden
+from multiloss.saved_state import CARRIED_KEY, VOCABULARY_KEY
 
 LN2 = math.log(2.0)
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: a target with this id is not scored
@@ -345,15 +346,12 @@ class TruncatedBPTT(Recipe):
         for i, (x, target) in enumerate(zip(xs, ys)):
             last = i == len(xs) - 1
             stepping = last or (i + 1) % self.accumulate_grad_batches == 0  # no gradient carried into the next batch
-            with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a chunk that steps
+            # A chunk is a micro-batch: the block steps every k chunks and after the batch's last (clipping by global
+            # norm, step, zeroing, schedule); under DDP only a chunk that steps all-reduces.
+            with self.step_of(opt, stepping=stepping, batch_done=last) as step:
                 logits, hidden = self.net(x, hidden)
                 nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-                self.manual_backward(nll * scales[i])
-            if stepping:
-                self.clip_gradients(opt)  # the (accumulated) gradient about to be stepped, by global norm
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            self.step_lr_schedule(opt, stepping, batch_done=last)
+                step.backward(nll * scales[i], scaled=True)  # its mean over its tokens / k, or count-exact
             # After the step: the next chunk starts from these values, its backward ends here.
             hidden = self.repackage_hidden(hidden)
             nll_sum = nll_sum + nll.detach().float()
@@ -444,7 +442,7 @@ class TruncatedBPTT(Recipe):
     # -------------------------------------------------------------- checkpoint
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["vocab"] = self.vocab.to_plain()
+        checkpoint[VOCABULARY_KEY] = self.vocab.to_plain()
         if self.carry_state:
             # Every rank's own streams' state (a collective: every rank saves), stacked by rank.
             checkpoint[CARRIED_KEY] = apply_to_collection(self.carried, torch.Tensor, self._gathered)
@@ -467,9 +465,9 @@ class TruncatedBPTT(Recipe):
         self.check_checkpoint(checkpoint, "the checkpoint")
 
     def check_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
-        if "vocab" not in checkpoint:
+        if VOCABULARY_KEY not in checkpoint:
             return
-        saved = Vocabulary(checkpoint["vocab"])
+        saved = Vocabulary(checkpoint[VOCABULARY_KEY])
         if saved != self.vocab:
             raise ConfigError(
                 "ckpt_path",
@@ -483,9 +481,6 @@ class TruncatedBPTT(Recipe):
     def on_train_start(self) -> None:
         # A state restored from a checkpoint was loaded before the module reached its device.
         self.carried = apply_to_collection(self.carried, torch.Tensor, lambda t: t.to(self.device))
-
-
-CARRIED_KEY = "tbptt_carried_state"  # where a checkpoint keeps the state carried into the next batch (streams)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -183,27 +183,15 @@ class WeightedMultiTask(MultiTaskRecipe):
         return outputs, {name: t.loss(outputs[name], batch[t.target]) for name, t in self.tasks.items()}
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        batch, opt, k = self.prepare_batch(batch), self.optimizers(), self.accumulate_grad_batches
-        stepping = self.ends_optimizer_step(batch_idx)  # every k-th micro-batch, and an epoch's last
-        with self.gradient_sync(stepping):  # DDP all-reduces only the backward of a micro-batch that steps
+        batch = self.prepare_batch(batch)
+        # The block steps on every k-th micro-batch (and an epoch's last): clipping, step, zeroing, schedule.
+        with self.step_of(self.optimizers(), batch_idx) as step:
             _, per_task = self.outputs_and_losses(batch)
             balanced = self.balance(per_task)  # the weights: the configured ones, or the balancer's
-            if balanced.backwarded:  # PCGrad & co. with scope=global under FSDP2: the rule wrote the shards' .grad
-                pass
-            elif balanced.surrogate is not None:  # PCGrad & co.: a scalar whose gradient is their combination
-                self.manual_backward(balanced.surrogate if k == 1 else balanced.surrogate / k)
-            elif balanced.extra is None:  # one pass seeded with the weights: Σ wᵢ·∇lossᵢ, the graph walked once
-                self.manual_backward(balanced.losses / k if k > 1 else balanced.losses, gradient=balanced.weights)
-            else:  # the balancer's own term (uncertainty's log-variances) rides along with weight 1
-                seeded = torch.cat([balanced.losses, balanced.extra.view(1)])
-                weights = torch.cat([balanced.weights, balanced.weights.new_ones(1)])
-                self.manual_backward(seeded / k, gradient=weights)
-        self.log_losses({**per_task, "total": balanced.total.detach()}, batch_size=len(batch["x"]))
-        if stepping:
-            self.clip_gradients(opt)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        self.step_lr_schedule(opt, stepping)
+            # One pass seeded with the weights (grad_tensors), loss / k: Σ wᵢ·∇lossᵢ, the graph walked once. (A
+            # balancer's own term rides along with weight 1; PCGrad & co. backward their combination's surrogate.)
+            balanced.backward(step)
+            self.log_losses({**per_task, "total": balanced.total.detach()}, batch_size=len(batch["x"]))
 
     def backward(self, loss: torch.Tensor, *args: Any, gradient: torch.Tensor | None = None, **kwargs: Any) -> None:
         """The backward Lightning calls (``manual_backward``): a vector of task losses takes one pass seeded with

@@ -258,7 +258,7 @@ def test_shared_names_that_match_no_layer_are_refused(make_cfg, value, shown):
 def test_jacobian_descent_is_torchjds_aggregation_of_the_trunk_jacobian(make_cfg, name):
     from torchjd.aggregation import UPGrad
 
-    from multiloss.min_norm import exact_mgda
+    from multiloss.balancers.min_norm import exact_mgda
 
     before, grads, batch = _first_step(make_cfg(*WEIGHTED, f"balancer={name}"))
     _, per_task = before.outputs_and_losses(batch)
@@ -301,7 +301,7 @@ def test_mgda_is_the_exact_minimum_norm_point_where_torchjds_tolerance_stops_sho
     equality where αᵢ > 0."""
     from torchjd.aggregation import MGDA
 
-    from multiloss.min_norm import MinNormWeighting, exact_mgda
+    from multiloss.balancers.min_norm import MinNormWeighting, exact_mgda
 
     gen = torch.Generator().manual_seed(1)
     jacobian = torch.randn(3, 50, generator=gen, dtype=torch.float64)
@@ -502,8 +502,8 @@ def test_each_gradient_rule_from_the_gramian_alone_equals_the_rule_on_the_gradie
     from torchjd.aggregation import UPGrad
 
     from multiloss.balancers import GradNorm, JacobianDescent, PCGrad
-    from multiloss.min_norm import exact_mgda
-    from multiloss.task_gradients import task_gradients
+    from multiloss.balancers.min_norm import exact_mgda
+    from multiloss.balancers.task_gradients import task_gradients
 
     torch.manual_seed(0)
     trunk = torch.nn.Linear(4, 5).double()

@@ -19,7 +19,7 @@ from multiloss import train
 from multiloss.cli import consolidate_main
 from multiloss.config import ConfigError
 from multiloss.nets import DeepSupervisionMLP
-from multiloss.run_dir import is_sharded_checkpoint
+from multiloss.saved_state import is_sharded_checkpoint
 from multiloss.sharding import _units, check_policy
 from tests.conftest import QUIET, ROOT, run_cli
 from tests.helpers import logged_rates

@@ -25,7 +25,7 @@ from multiloss.checkpoints import verify_checkpoint
 from multiloss.cli import consolidate_main
 from multiloss.config import ConfigError
 from multiloss.data.vocabulary import pydoc_text
-from multiloss.run_dir import is_sharded_checkpoint
+from multiloss.saved_state import is_sharded_checkpoint
 from tests.conftest import QUIET, ROOT, SMALL_GAN, load_weights, run_cli, train_here
 from tests.helpers import logged_rates
 

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from multiloss import lightning_internals as internals
 from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
-from multiloss.distributed import HydraJobLauncher, multiloss_ddp
 from multiloss.module import Recipe
-from multiloss.sharding import FSDPStrategy, check_sharded_run
+from multiloss.parallelism import strategy_of
+from multiloss.sharding import check_sharded_run
 
 
 def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
@@ -34,14 +34,14 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
     callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
-    trainer: L.Trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
     # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
     # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
-    if (ddp := multiloss_ddp(trainer, cfg.trainer.get("strategy"))) is not None:
-        trainer = _build("trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=ddp, **plugins)
-        internals.use_launcher(trainer.strategy, HydraJobLauncher)
-    if isinstance(trainer.strategy, FSDPStrategy):
-        internals.use_launcher(trainer.strategy, HydraJobLauncher)
+    trainer = strategy_of(
+        lambda **strategy: _build(
+            "trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins, **strategy
+        ),
+        cfg.trainer.get("strategy"),
+    )
     strategy_node = cfg.trainer.get("strategy")
     if not (isinstance(strategy_node, DictConfig) and "timeout" in strategy_node):  # a strategy's own timeout wins
         internals.set_process_group_timeout(trainer.strategy, timedelta(seconds=cfg.get("collective_timeout", 1800)))

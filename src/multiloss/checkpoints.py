@@ -22,6 +22,8 @@ import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from multiloss.config import ConfigError, require
-from multiloss.run_dir import is_sharded_checkpoint
+from multiloss.saved_state import is_sharded_checkpoint
 
 
 class CheckpointWriteError(RuntimeError):
@@ -288,6 +290,16 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     require(not out.exists(), "out", str(out), "a path where nothing is yet", "it exists (never overwritten)")
     AtomicCheckpointIO().save_checkpoint(read_sharded_checkpoint(path), out)
     return out
+
+
+@contextmanager
+def whole_checkpoint_file(path: Any) -> Iterator[Any]:
+    """``path`` itself, or for a sharded checkpoint a temporary file holding it whole (`consolidate`), while inside."""
+    if not is_sharded_checkpoint(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield consolidate(path, Path(tmp) / "whole.ckpt")
 
 
 def mid_epoch(checkpoint: dict[str, Any]) -> bool:

@@ -198,7 +198,8 @@ def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
 
 
 def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
-    from multiloss.run_dir import checkpoint_exists, resume_argument
+    from multiloss.run_dir import resume_argument
+    from multiloss.saved_state import checkpoint_exists
 
     if checkpoint is None or not checkpoint_exists(checkpoint):
         return ""
@@ -246,7 +247,8 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     if metrics:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
-    from multiloss.run_dir import checkpoint_exists, resume_argument
+    from multiloss.run_dir import resume_argument
+    from multiloss.saved_state import checkpoint_exists
 
     last = out / "checkpoints" / "last.ckpt"
     resume = f"; resume: {resume_argument(last)}" if checkpoint_exists(last) else ""

@@ -36,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.module import Recipe
 from multiloss.stalls import is_stall, note_stall
 from multiloss.torchrun import join_this_torchrun_attempt
 
@@ -129,7 +128,24 @@ class HydraJobLauncher(internals.ScriptLauncher):
                 os.environ[key] = value
 
 
-class DDPStrategy(LightningDDPStrategy):
+class HydraJobStrategy:
+    """What multiloss's strategies share: ranks started as Hydra jobs (`HydraJobLauncher`, installed by
+    `multiloss.parallelism.strategy_of`), a failure noted for the launcher, the child ranks waited for at teardown."""
+
+    launcher: Any
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        if isinstance(self.launcher, HydraJobLauncher):
+            self.launcher.note_failure()
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        if isinstance(self.launcher, HydraJobLauncher):
+            self.launcher.finish()
+
+
+class DDPStrategy(HydraJobStrategy, LightningDDPStrategy):
     """Lightning's `DDPStrategy` (all its arguments) that launches Hydra jobs and wraps networks one by one."""
 
     strategy_name = "multiloss_ddp"
@@ -141,7 +157,7 @@ class DDPStrategy(LightningDDPStrategy):
     def configure_ddp(self) -> None:
         _survive_detail_debug(self)
         module = self.lightning_module
-        names = module.ddp_submodules if isinstance(module, Recipe) else ()
+        names = getattr(module, "ddp_submodules", ())  # a multiloss Recipe's (any other module: one wrapper)
         if not names:
             super().configure_ddp()
             return
@@ -162,18 +178,11 @@ class DDPStrategy(LightningDDPStrategy):
                 stack.enter_context(wrapper.no_sync())
             yield
 
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if isinstance(self.launcher, HydraJobLauncher):
-            self.launcher.note_failure()
-
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and hasattr(module, _WRAPPERS):
             object.__delattr__(module, _WRAPPERS)
         super().teardown()
-        if isinstance(self.launcher, HydraJobLauncher):
-            self.launcher.finish()
 
 
 def _survive_detail_debug(strategy: LightningDDPStrategy) -> None:

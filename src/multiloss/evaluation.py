@@ -18,8 +18,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer
-from multiloss.callbacks.run_record import CONFIG_DIRS_KEY, OVERRIDES_KEY, SPLIT_KEY
 from multiloss.config import ConfigError, check_config, require
+from multiloss.saved_state import CONFIG_DIRS_KEY, OVERRIDES_KEY, SPLIT_KEY, is_sharded_checkpoint
 
 log = logging.getLogger("multiloss")
 # Overrides of the training run that never carry over to an evaluation of its checkpoint.
@@ -63,7 +63,6 @@ def _stored(ckpt: Path | str) -> dict[str, Any]:
     import torch
 
     from multiloss.checkpoints import META
-    from multiloss.run_dir import is_sharded_checkpoint
 
     if is_sharded_checkpoint(ckpt):  # a sharded checkpoint keeps its entries in meta.pt
         ckpt = Path(ckpt) / META

@@ -15,9 +15,6 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-# Where a checkpoint names the metrics.csv of the run that wrote it.
-HISTORY_KEY = "multiloss_metrics_csv"
-
 
 def csv_logger(trainer: L.Trainer) -> CSVLogger | None:
     """The run's first CSVLogger, if it has one."""

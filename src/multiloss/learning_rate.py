@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from multiloss.config import ConfigError
+from multiloss.saved_state import LR_KEY
 from multiloss.schedules import CONSTANT, factor_at
 
 log = logging.getLogger("multiloss")
 
-LR_KEY = "multiloss_learning_rates"  # where a checkpoint keeps each optimizer's RatePlan
 # The entries of a torch scheduler's state that are its progress; every other entry is its configuration,
 # which the config gives (a resumed StepLR with another gamma decays by the new gamma).
 _PROGRESS = frozenset(

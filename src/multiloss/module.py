@@ -14,10 +14,6 @@ under ``model.``): ``accumulate_grad_batches`` (k micro-batches per optimizer st
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import lightning as L
@@ -29,16 +25,16 @@ from multiloss import precision, sharding
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
 from multiloss.components import OptimizerFactory, compile_in_place, name_of, to_plain
-from multiloss.config import ConfigError, require
+from multiloss.config import ConfigError
 from multiloss.learning_rate import RatePlan, apply_rule
-from multiloss.metrics import EpochMeans
+from multiloss.parallelism import Parallelism, parallelism_of
+from multiloss.recipe_logging import RecipeLogging
 from multiloss.schedules import StepOnValidation, build_schedule
-from multiloss.training_log import TrainingLog, TrainingLogWriter
+from multiloss.step import OptimizerStep, check_step_options, ends_optimizer_step, refuse_lightning_step_options
+from multiloss.training_log import TrainingLogWriter
 
-_SYNC_AS_USUAL = contextlib.nullcontext()  # reusable: the block of a micro-batch that steps
 
-
-class Recipe(L.LightningModule):
+class Recipe(RecipeLogging):
     """Base of the recipes: the contract, the step options and the step's tools, dict batches, loss logging.
 
     Subclasses build their components in ``__init__`` (single-optimizer recipes set
@@ -101,52 +97,16 @@ class Recipe(L.LightningModule):
         fsdp: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        require(
-            isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1,
-            "accumulate_grad_batches",
-            accumulate_grad_batches,
-            "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
-        )
-        require(
-            gradient_clip_val is None or gradient_clip_val > 0,
-            "gradient_clip_val",
-            gradient_clip_val,
-            "a positive number (the largest gradient norm, or value, per step), or null for no clipping",
-        )
-        require(
-            gradient_clip_algorithm in ("norm", "value"),
-            "gradient_clip_algorithm",
-            gradient_clip_algorithm,
-            "norm or value",
-        )
+        check_step_options(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm)
         self.automatic_optimization = False  # each step is the recipe's own training_step, visible end to end
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.scheduler_spec = to_plain(scheduler)
         self.compile_components = bool(compile)
-        self.fsdp = {"shard": None, "checkpoint": [], **to_plain(fsdp or {})}
-        unknown = sorted(set(self.fsdp) - {"shard", "checkpoint"})
-        require(not unknown, f"fsdp.{unknown[0] if unknown else ''}", self.fsdp, "shard and checkpoint", "unknown key")
-        for key in ("shard", "checkpoint"):  # one name on the command line (fsdp.checkpoint=Block) is a list of one
-            value = self.fsdp[key]
-            value = [value] if isinstance(value, str) else value
-            names = isinstance(value, list) and all(isinstance(v, str) for v in value)
-            require(
-                names or (value is None and key == "shard"),
-                f"fsdp.{key}",
-                value,
-                "a class name or name pattern, or a list of them" + (" (null: each child)" if key == "shard" else ""),
-            )
-            self.fsdp[key] = value
+        self.fsdp = sharding.fsdp_options(fsdp)  # model.fsdp: shard, checkpoint (activation recomputation)
         self.optimizer_factory: OptimizerFactory | None = None
         self.rate_plans: dict[str, RatePlan] = {}  # per optimizer config key, in configure_optimizers' order
-        self.training_log = TrainingLog()  # training values between log rows; the non-finite guard reads it
-        self.epoch_means = EpochMeans()  # validation losses, filled by log_losses
-        self._log_names: dict[tuple[str, ...], tuple[str, ...]] = {}  # (prefix, *names) -> logged names
-        self._rate_names: tuple[str, ...] | None = None  # the learning-rate columns, named as Lightning names them
         self._components_checked = False
-        self._sharded = False  # configure_model has sharded the components (FSDP2)
-        self._held: dict[str, sharding.LocalGradients] = {}  # the components held whole for their step, by name
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
@@ -174,31 +134,13 @@ class Recipe(L.LightningModule):
         # (bare MisconfigurationExceptions), before any training, before multiloss writes anything.
         trainer = self.attached_trainer
         if trainer is not None and trainer.state.fn == "fit":
-            self.check_trainer(trainer)
+            refuse_lightning_step_options(trainer)  # the step options are the recipe's keys
         return [TrainingLogWriter(self.training_log), StepOnValidation(), *self.output_callbacks()]
-
-    def check_trainer(self, trainer: L.Trainer) -> None:
-        """Refuse the Trainer settings a recipe does itself, naming its own key."""
-        moved = (
-            ("accumulate_grad_batches", trainer.accumulate_grad_batches, 1),
-            ("gradient_clip_val", trainer.gradient_clip_val, None),
-            ("gradient_clip_algorithm", getattr(trainer.gradient_clip_algorithm, "value", None), None),
-        )
-        for key, value, unset in moved:
-            if value != unset:
-                with_value = " with model.gradient_clip_val=<max>" if key == "gradient_clip_algorithm" else ""
-                raise ConfigError(
-                    f"trainer.{key}",
-                    value,
-                    f"{unset if unset is not None else 'null'}; every recipe does this in its own step: "
-                    f"model.{key}={value}{with_value}",
-                    "Lightning cannot apply it under manual optimization",
-                )
 
     def check_sharding(self, trainer: L.Trainer) -> None:
         """Refuse what sharded training (FSDP2) cannot do with this recipe's settings (`multiloss.train` asks before
         any process starts)."""
-        sharding.check_policy(self, self.components, self.fsdp["shard"], self.fsdp["checkpoint"])
+        sharding.check_policy(self, self.components, self.fsdp["shard"], recompute=self.fsdp["checkpoint"])
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.accumulates_batches:
@@ -216,39 +158,25 @@ class Recipe(L.LightningModule):
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Lightning's, and a sharded run's checkpoint directory too (read whole into a temporary file first)."""
-        from multiloss.run_dir import is_sharded_checkpoint
+        """Lightning's, and a sharded run's checkpoint directory too (read whole first)."""
+        from multiloss.checkpoints import whole_checkpoint_file
 
-        if not is_sharded_checkpoint(checkpoint_path):
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
-        from multiloss.checkpoints import consolidate
+        with whole_checkpoint_file(checkpoint_path) as path:
+            return super().load_from_checkpoint(path, *args, **kwargs)
 
-        with tempfile.TemporaryDirectory() as tmp:
-            whole = consolidate(checkpoint_path, Path(tmp) / "whole.ckpt")
-            return super().load_from_checkpoint(whole, *args, **kwargs)
+    @property
+    def parallelism(self) -> Parallelism:
+        """How the ranks share the work (one device, DDP, FSDP2): the one answer to "sharded?"."""
+        return parallelism_of(self.attached_trainer)
 
     def configure_model(self) -> None:
         # Lightning's hook for building or wrapping the model once per fit, before the first step.
-        trainer = self.attached_trainer
-        if trainer is not None and sharding.is_sharded(trainer.strategy) and not self._sharded:
-            self._held = sharding.shard_components(
-                self,
-                self.components,
-                self.device_mesh["data_parallel"],
-                shard=self.fsdp["shard"],
-                checkpoint=self.fsdp["checkpoint"],
-                mp_policy=sharding.mixed_precision_policy(trainer),
-                held_whole=self.held_whole(trainer),
-            )
-            self._sharded = True
+        self.parallelism.prepare(self)
         if self.compile_components:
             compile_in_place(self, self.components, self.not_compilable)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        # FSDP2 reduces the gradients of the parameters it shards; any other (a balancer's) is averaged here,
-        # as DDP would have averaged it.
-        if self._sharded:
-            sharding.average_unsharded_gradients(optimizer, self.mean_over_ranks)
+        self.parallelism.before_optimizer_step(optimizer, self.mean_over_ranks)
 
     def run_component_check(self, batch: Any) -> None:
         run_check(self, self.check_components, batch)
@@ -270,38 +198,23 @@ class Recipe(L.LightningModule):
             self.log_learning_rates()
         return batch
 
-    def ends_optimizer_step(self, batch_idx: int) -> bool:
-        """Whether training batch ``batch_idx`` ends an optimizer step: every ``accumulate_grad_batches``-th of its
-        epoch, and the epoch's last (no gradient is carried into the next epoch), as Lightning decides."""
-        return (batch_idx + 1) % self.accumulate_grad_batches == 0 or internals.epoch_ends(self.trainer)
-
-    def gradient_sync(self, stepping: bool) -> Any:
-        """A block whose backward DDP all-reduces only when ``stepping``: micro-batches that do not step skip it.
-        Under FSDP2, the components held whole hand their gradients over at its end (`whole_step`)."""
-        block = _SYNC_AS_USUAL if stepping else self.without_gradient_sync()
-        if not self._held:
-            return block
-        stack = contextlib.ExitStack()
-        stack.enter_context(block)
-        stack.enter_context(self.whole_step(stepping))
-        return stack
-
-    def without_gradient_sync(self) -> Any:
-        """A block whose backward no rank reduces (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``):
-        its gradients stay in ``.grad`` and the next synced backward reduces their sum."""
-        return internals.no_gradient_sync(self.trainer.strategy)
-
-    def whole_step(self, stepping: bool, *names: str) -> Any:
-        """A block around the forward and backward(s) of components ``names`` (all held whole when none is named):
-        under FSDP2, their gradients are handed over at its end and averaged into the shards when ``stepping``
-        (`multiloss.sharding.LocalGradients`); nothing otherwise."""
-        held = [self._held[n] for n in names if n in self._held] if names else list(self._held.values())
-        if not held:
-            return _SYNC_AS_USUAL
-        stack = contextlib.ExitStack()
-        for component in held:
-            stack.enter_context(component.step(stepping))
-        return stack
+    def step_of(
+        self,
+        optimizer: Any,
+        batch_idx: int | None = None,
+        *,
+        stepping: bool | None = None,
+        components: tuple[str, ...] | None = None,
+        toggle: bool = False,
+        batch_done: bool = True,
+    ) -> OptimizerStep:
+        """``with self.step_of(opt, batch_idx) as step: ... step.backward(loss)``: this micro-batch of ``optimizer``'s
+        step, which steps on every ``accumulate_grad_batches``-th training batch and an epoch's last (``stepping``: the
+        recipe decides, tbptt's chunks); the sync, the division by k, clipping, the step, zeroing and the schedule are
+        the block's (`multiloss.step.OptimizerStep`)."""
+        if stepping is None:
+            stepping = ends_optimizer_step(self, batch_idx)
+        return OptimizerStep(self, optimizer, stepping, components=components, toggle=toggle, batch_done=batch_done)
 
     def clip_gradients(
         self,
@@ -316,22 +229,6 @@ class Recipe(L.LightningModule):
             return
         precision.unscale_for_clipping(self.trainer.precision_plugin, optimizer)
         super().clip_gradients(optimizer, value, gradient_clip_algorithm or self.gradient_clip_algorithm)
-
-    def step_lr_schedule(self, optimizer: Any, stepped: bool, batch_done: bool = True) -> None:
-        """``optimizer``'s schedule: a step after each of its steps (interval step), one after an epoch's last batch
-        (interval epoch: once ``batch_done``, tbptt's last chunk); a ``validation`` schedule steps when a validation
-        ends (`StepOnValidation`)."""
-        configs = self.trainer.lr_scheduler_configs
-        if not configs:
-            return
-        raw = getattr(optimizer, "optimizer", optimizer)
-        for config in configs:
-            interval = getattr(config.scheduler, "interval", config.interval)  # ours say; torch's: Lightning's
-            if config.scheduler.optimizer is raw and (
-                (stepped and interval == "step")
-                or (interval == "epoch" and batch_done and internals.epoch_ends(self.trainer))
-            ):
-                config.scheduler.step()
 
     # --- the optimizer and its schedule -----------------------------------------------------------------
 
@@ -361,14 +258,6 @@ class Recipe(L.LightningModule):
         """How many optimizer steps the run takes (a schedule's ``total_steps``): Lightning's estimate."""
         return int(self.trainer.estimated_stepping_batches)
 
-    # --- logging ---------------------------------------------------------------------------------------
-
-    @property
-    def eval_prefix(self) -> str:
-        """The prefix of evaluation metrics: ``test`` under ``trainer.test`` (``multiloss-eval``), else ``val``."""
-        trainer = self.attached_trainer
-        return "test" if trainer is not None and trainer.testing else "val"
-
     def test_step(self, batch: Any, batch_idx: int) -> Any:
         return self.validation_step(batch, batch_idx)
 
@@ -377,51 +266,3 @@ class Recipe(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self.on_validation_epoch_end()
-
-    def log_losses(
-        self, losses: Mapping[str, torch.Tensor], prefix: str = "loss/", batch_size: int | torch.Tensor | None = None
-    ) -> None:
-        """Log each loss component under its own name (``loss/head0``, ...) beside the total.
-
-        Training values go to the `TrainingLog` (one kernel a step, written as means on Lightning's log
-        rows, judged by the non-finite guard; under DDP rank zero's own micro-batches, as Lightning does
-        without a collective per step). Validation values are logged per epoch, as the mean over every
-        rank's examples (`multiloss.metrics.EpochMeans`).
-        """
-        if not self.training:
-            self.epoch_means.log(self, losses, prefix, 1 if batch_size is None else batch_size)
-            return
-        key = (prefix, *losses)
-        if (names := self._log_names.get(key)) is None:
-            names = self._log_names[key] = tuple(f"{prefix}{name}" for name in losses)
-        self.training_log.add(names, list(losses.values()), self.trainer.global_step)
-
-    def log_train_values(self, names: tuple[str, ...], values: torch.Tensor) -> None:
-        """Training values that are not losses (a 1-D tensor, one per name), logged as means on the log rows."""
-        self.training_log.add(names, values.detach(), self.trainer.global_step, watched=False)
-
-    def log_learning_rates(self) -> None:
-        """The rate each param group trains this step at, on the log row, named as Lightning's LearningRateMonitor
-        names it (``lr-SGD``, ``lr-Adam/generator``): the recipe owns the rate, so it logs it (no per-batch hook)."""
-        optimizers = [getattr(o, "optimizer", o) for o in self.trainer.optimizers]
-        if self._rate_names is None:
-            self._rate_names = tuple(n for names in internals.learning_rate_names(optimizers) for n in names)
-        rates = [group["lr"] for optimizer in optimizers for group in optimizer.param_groups]
-        self.training_log.add(
-            self._rate_names, torch.tensor(rates, dtype=torch.float64), self.trainer.global_step, watched=False
-        )
-
-    @property
-    def step_index(self) -> int:
-        """The step every output of a run names (`multiloss.training_log.TrainingLog`)."""
-        if self.training_log.step_index is not None:
-            return self.training_log.step_index
-        return max(internals.batches_that_stepped(self.trainer) - 1, 0)
-
-    def mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` averaged over the ranks (itself on one device): a collective, every rank calls it."""
-        return self.trainer.strategy.reduce(tensor, reduce_op="mean")
-
-    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the ranks (itself on one device): a collective, every rank calls it."""
-        return self.trainer.strategy.reduce(tensor, reduce_op="sum")

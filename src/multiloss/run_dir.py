@@ -18,21 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from multiloss.config.errors import ConfigError
+from multiloss.saved_state import checkpoint_exists, is_sharded_checkpoint
 
 LOCK = ".multiloss.lock"
 # Set by SLURM in a requeued job and by torchrun in a restarted worker: the same run, again.
 RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded checkpoint (``trainer=fsdp``'s): a directory of ``.distcp`` shards, their
-    ``.metadata`` and meta.pt."""
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
-
-
-def checkpoint_exists(path: str | Path) -> bool:
-    """A checkpoint file, or a sharded checkpoint's directory."""
-    return Path(path).is_file() or is_sharded_checkpoint(path)
 
 
 def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:

@@ -49,11 +49,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from multiloss import lightning_internals as internals
+from multiloss.components import to_plain
 from multiloss.config import ConfigError, require
+from multiloss.distributed import HydraJobStrategy
 from multiloss.torchrun import join_this_torchrun_attempt
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
     """Lightning's `ModelParallelStrategy` (all its arguments) with every rank data-parallel (FSDP2 alone, no tensor
     parallelism), Hydra-job-aware child launching, and the no-sync block of the micro-batches that do not step."""
 
@@ -111,33 +113,20 @@ class FSDPStrategy(ModelParallelStrategy):
         self.barrier("multiloss_checkpoint_in_place")
         return None
 
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if (note := getattr(self.launcher, "note_failure", None)) is not None:  # multiloss's Hydra-job launcher
-            note()
-
-    def teardown(self) -> None:
-        super().teardown()
-        if (finish := getattr(self.launcher, "finish", None)) is not None:  # multiloss's Hydra-job launcher
-            finish()
-
-
-def is_sharded(strategy: Any) -> bool:
-    return isinstance(strategy, ModelParallelStrategy)
-
 
 def shard_components(
     module: nn.Module,
     names: Sequence[str],
     mesh: Any,
     shard: Sequence[str] | None = None,
-    checkpoint: Sequence[str] = (),
+    recompute: Sequence[str] = (),
     mp_policy: Any = None,
     held_whole: Sequence[str] = (),
 ) -> dict[str, LocalGradients]:
     """``fully_shard`` each component of ``module`` named in ``names`` on its own: the units ``shard`` picks (class
     names or fnmatch patterns of module names; None: each child with parameters), then the component's root.
-    `check_policy` has judged ``shard`` and ``checkpoint`` (`Recipe.check_sharding`, before the processes start).
+    ``recompute``: the classes whose activations are recomputed in the backward (``model.fsdp.checkpoint``).
+    `check_policy` has judged both (`Recipe.check_sharding`, before the processes start).
 
     The components in ``held_whole`` are gathered at their forward and kept whole until their step's gradients are
     handed over (`LocalGradients`, returned by name)."""
@@ -148,7 +137,7 @@ def shard_components(
     for name in names:
         component = getattr(module, name)
         whole = name in held_whole
-        _checkpoint_activations(component, checkpoint)
+        _recompute_activations(component, recompute)
         for unit in _units(component, shard):  # innermost first: a unit inside another is sharded before it
             fully_shard(unit, **kwargs, **({"reshard_after_forward": False} if whole else {}))
         fully_shard(component, **kwargs, **({"reshard_after_forward": False} if whole else {}))
@@ -213,11 +202,31 @@ class LocalGradients:
             param.grad = shard if param.grad is None else param.grad + shard
 
 
+def fsdp_options(fsdp: Any) -> dict[str, Any]:
+    """``model.fsdp`` checked: ``shard`` (names, or null: each child) and ``checkpoint`` (the classes whose activations
+    are recomputed); one name on the command line (``fsdp.checkpoint=Block``) is a list of one."""
+    options = {"shard": None, "checkpoint": [], **to_plain(fsdp or {})}
+    unknown = sorted(set(options) - {"shard", "checkpoint"})
+    require(not unknown, f"fsdp.{unknown[0] if unknown else ''}", options, "shard and checkpoint", "unknown key")
+    for key in ("shard", "checkpoint"):
+        value = options[key]
+        value = [value] if isinstance(value, str) else value
+        names = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        require(
+            names or (value is None and key == "shard"),
+            f"fsdp.{key}",
+            value,
+            "a class name or name pattern, or a list of them" + (" (null: each child)" if key == "shard" else ""),
+        )
+        options[key] = value
+    return options
+
+
 def check_policy(
-    module: nn.Module, names: Sequence[str], shard: Sequence[str] | None, checkpoint: Sequence[str]
+    module: nn.Module, names: Sequence[str], shard: Sequence[str] | None, recompute: Sequence[str]
 ) -> None:
     """Refuse a ``model.fsdp.shard`` or ``model.fsdp.checkpoint`` that names none of the components' modules (a
-    typo would otherwise shard each network whole, or checkpoint nothing)."""
+    typo would otherwise shard each network whole, or recompute nothing)."""
     components = [getattr(module, name) for name in names]
     listing = "; ".join(f"model.{name}: {_module_names(c)}" for name, c in zip(names, components, strict=True))
     require(
@@ -227,7 +236,7 @@ def check_policy(
         f"class names or name patterns of the components' modules ({listing})",
         "it matches none of them",
     )
-    classes = set(checkpoint)
+    classes = set(recompute)
     require(
         not classes or any(type(m).__name__ in classes for c in components for m in c.modules()),
         "model.fsdp.checkpoint",
@@ -267,15 +276,15 @@ def _module_names(component: nn.Module) -> str:
     return ", ".join(names[:6] + classes[:6])
 
 
-def _checkpoint_activations(component: nn.Module, classes: Iterable[str]) -> None:
-    """Recompute the forward of each module of one of ``classes`` in the backward (non-reentrant checkpointing)."""
+def _recompute_activations(component: nn.Module, classes: Iterable[str]) -> None:
+    """Recompute the forward of each module of one of ``classes`` in the backward (non-reentrant torch checkpoint)."""
     classes = set(classes)
     for m in component.modules():
         if type(m).__name__ in classes:
-            m.forward = functools.partial(_checkpointed, m.forward)
+            m.forward = functools.partial(_recomputed, m.forward)
 
 
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

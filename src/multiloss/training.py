@@ -9,13 +9,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer, error_from_lightning
-from multiloss.callbacks.run_record import BATCHES_KEY, RunRecord
+from multiloss.callbacks.run_record import RunRecord
 from multiloss.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
 from multiloss.module import Recipe
+from multiloss.parallelism import parallelism_of
 from multiloss.pitfalls import explain
 from multiloss.run_dir import claimed, launch_rank_zero, resume_from
-from multiloss.sharding import is_sharded
+from multiloss.saved_state import BATCHES_KEY
 from multiloss.stalls import explain_stall, is_stall, last_checkpoint
 
 log = logging.getLogger("multiloss")
@@ -42,7 +43,7 @@ def _train(cfg: DictConfig) -> dict[str, float]:
     if (streams := getattr(datamodule, "streams", None)) is not None:
         streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
     record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
-    if isinstance(model, Recipe) and is_sharded(trainer.strategy):
+    if isinstance(model, Recipe) and parallelism_of(trainer).sharded:
         model.check_sharding(trainer)  # what FSDP2 cannot do, before its processes start
     elif isinstance(model, Recipe) and (model.fsdp["shard"] is not None or model.fsdp["checkpoint"]):
         rank_zero_warn(

@@ -10,10 +10,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from multiloss import lightning_internals as internals
+from multiloss.balancers.task_gradients import pairwise_cosines, task_gradients
 from multiloss.callbacks.plots import curves_figure, logged_curves
 from multiloss.lean_callback import LeanCallback
 from multiloss.multitask import MultiTaskRecipe, TaskLossObserver
-from multiloss.task_gradients import pairwise_cosines, task_gradients
 
 
 class ConflictMonitor(TaskLossObserver, LeanCallback):

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
-from multiloss.run_dir import checkpoint_exists
+from multiloss.saved_state import checkpoint_exists
 
 Mode = Literal["stop", "skip", "off"]
 

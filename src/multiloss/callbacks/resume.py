@@ -29,8 +29,8 @@ import lightning as L
 from multiloss.checkpoints import sharded_metadata
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.learning_rate import LR_KEY, RatePlan, refuse_other_schedules, resume_rates
-from multiloss.run_dir import is_sharded_checkpoint
+from multiloss.learning_rate import RatePlan, refuse_other_schedules, resume_rates
+from multiloss.saved_state import LR_KEY, is_sharded_checkpoint
 
 log = logging.getLogger("multiloss")
 

@@ -3,7 +3,7 @@
 `RunRecord` claims the run dir, writes the ``.hydra/`` copies and logs the config when training
 starts; into every checkpoint it writes the overrides, the config dirs, the data split and the
 metrics.csv of the run (`multiloss-eval` rebuilds the recipe from them, a resumed run continues the
-metrics file). The checkpoint keys live here, with the one callback that writes them.
+metrics file). Their checkpoint keys are declared in `multiloss.saved_state`; this callback writes them.
 """
 
 from __future__ import annotations
@@ -17,21 +17,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from multiloss import lightning_internals as internals
 from multiloss.console import print_config_tree, save_run_config
-from multiloss.history import HISTORY_KEY, continue_history, history_entry
+from multiloss.history import continue_history, history_entry
 from multiloss.lean_callback import LeanCallback
 from multiloss.module import Recipe
 from multiloss.run_dir import check_run_dir
 from multiloss.run_log import open_run_log
+from multiloss.saved_state import BATCHES_KEY, CONFIG_DIRS_KEY, HISTORY_KEY, OVERRIDES_KEY, SPLIT_KEY
 
 log = logging.getLogger("multiloss")
 
-# Where a checkpoint keeps the overrides of the run that wrote it, the config dirs it added
-# (--config-dir), and its data split.
-OVERRIDES_KEY = "multiloss_overrides"
-CONFIG_DIRS_KEY = "multiloss_config_dirs"
-SPLIT_KEY = "multiloss_data_split"
-# The per-rank batch size and the ranks a checkpoint's position in its epoch is counted in.
-BATCHES_KEY = "multiloss_batches"
 SPLIT_KEYS = ("val_fraction", "test_fraction", "split_seed")
 
 

@@ -17,7 +17,8 @@ import lightning as L
 import torch
 
 from multiloss.lean_callback import LeanCallback
-from multiloss.sharding import full, is_sharded
+from multiloss.parallelism import parallelism_of
+from multiloss.sharding import full
 
 
 class GeneratedSamplesPlot(LeanCallback):
@@ -98,7 +99,7 @@ class TextSamples(LeanCallback):
 
 def _draws_here(trainer: L.Trainer) -> bool:
     """Rank zero draws the samples; every rank does when the networks are sharded (their forward gathers shards)."""
-    return trainer.is_global_zero or is_sharded(trainer.strategy)
+    return trainer.is_global_zero or parallelism_of(trainer).sharded
 
 
 def _epoch_file(trainer: L.Trainer, suffix: str) -> Path:

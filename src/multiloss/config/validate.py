@@ -91,7 +91,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_schedule_lengths(cfg)
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:
-        from multiloss.run_dir import checkpoint_exists
+        from multiloss.saved_state import checkpoint_exists
 
         require(
             checkpoint_exists(ckpt),

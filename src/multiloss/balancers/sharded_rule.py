@@ -13,11 +13,13 @@ reduce-scatter).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from multiloss.balancers import GradientBalancer
+if TYPE_CHECKING:
+    from multiloss.balancers.protocol import GradientBalancer
 
 
 def apply_sharded_rule(

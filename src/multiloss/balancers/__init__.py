@@ -1,0 +1,30 @@
+"""Balancers: how a multi-task recipe weighs its tasks' losses, or combines their gradients (``model.balancer``).
+
+A balancer is one file's class and one config (``configs/balancer/<name>.yaml``, ``_target_`` its class):
+`protocol` (what a balancer is and one step of it), `weighting` (weights from the losses), `gradients`
+(rules on the tasks' gradients), `build` (made from its config, once, for the recipe's tasks).
+The configured weights cᵢ (``model.tasks.<task>.weight``) multiply every balancer's weights, so a
+weight of 0 keeps a task off whatever the balancer. Its parameters are in the recipe's optimizer,
+its state in the checkpoint: a resumed run continues exactly.
+"""
+
+from multiloss.balancers.gradients import GradNorm, JacobianDescent, PCGrad, pcgrad, pcgrad_coefficients
+from multiloss.balancers.protocol import Balanced, Balancer, GradientBalancer, GramianRule, balance
+from multiloss.balancers.weighting import DynamicWeightAverage, Fixed, Uncertainty, dwa_weights
+
+__all__ = [
+    "Balanced",
+    "Balancer",
+    "DynamicWeightAverage",
+    "Fixed",
+    "GradNorm",
+    "GradientBalancer",
+    "GramianRule",
+    "JacobianDescent",
+    "PCGrad",
+    "Uncertainty",
+    "balance",
+    "dwa_weights",
+    "pcgrad",
+    "pcgrad_coefficients",
+]

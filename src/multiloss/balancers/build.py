@@ -1,0 +1,86 @@
+"""A balancer made from its config (``model.balancer``), in one place, and what its config asks of the run.
+
+`build_balancer` makes it for the recipe's tasks once they are known (before the first step, or before a
+checkpoint's weights load into it); `rule_on_each_rank` and `check_sharded_balancer` answer, from the
+config alone and before any process starts, what a gradient rule needs of FSDP2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hydra.utils import get_object
+from torch import nn
+
+from multiloss.balancers.protocol import Balancer
+from multiloss.balancers.weighting import Fixed
+from multiloss.components import build_module
+from multiloss.config import require
+
+_FIXED = "multiloss.balancers.Fixed"
+# Where a class or function named by an earlier config now lives (checkpoints keep their config's _target_s).
+_MOVED = {"multiloss.min_norm.": "multiloss.balancers.min_norm."}
+
+
+def build_balancer(
+    spec: dict[str, Any] | None, tasks: Sequence[str], base: Sequence[float], net: nn.Module, key: str
+) -> Balancer:
+    """The balancer of config ``spec`` (None, or ``fixed``: the configured weights ``base``) for ``tasks``, on ``net``'s
+    device (at setup Lightning already reports the target device while the weights are still on the CPU); ``key``:
+    its config key in messages."""
+    if spec is None or _target(spec) == _FIXED:
+        balancer: Balancer = Fixed(tasks, base)
+    else:
+        balancer = build_module(_where_now(spec), key, tasks=list(tasks), base=list(base), net=net)
+    weight = next(net.parameters(), None)
+    return balancer if weight is None else balancer.to(weight.device)
+
+
+def combines_gradients(spec: dict[str, Any] | None) -> bool:
+    """Whether the balancer of config ``spec`` combines the tasks' gradients (a `GradientBalancer`)."""
+    if isinstance(spec, Balancer):  # given as an object
+        return spec.combines_gradients
+    target = _target(spec)
+    return target is not None and getattr(get_object(_where_now(target)), "combines_gradients", False)
+
+
+def _target(spec: Any) -> str | None:
+    return spec.get("_target_") if isinstance(spec, dict) else None
+
+
+def rule_on_each_rank(spec: dict[str, Any] | None) -> bool:
+    """Whether a gradient rule differentiates each rank's whole net per task (``scope=rank``): under FSDP2 the net is
+    then held whole for its step. ``scope=global`` runs the rule on the shards instead."""
+    scope = spec.get("scope", "rank") if isinstance(spec, dict) else getattr(spec, "scope", "rank")
+    return combines_gradients(spec) and scope == "rank"
+
+
+def check_sharded_balancer(spec: dict[str, Any] | None, accumulate_grad_batches: int) -> None:
+    """Refuse what a gradient rule on the shards (``scope=global`` under FSDP2) cannot compute."""
+    scope = spec.get("scope") if isinstance(spec, dict) else getattr(spec, "scope", None)
+    if not (combines_gradients(spec) and scope == "global"):
+        return
+    require(
+        accumulate_grad_batches == 1,
+        "model.balancer.scope",
+        scope,
+        f"rank with model.accumulate_grad_batches={accumulate_grad_batches} under sharded training, or "
+        "model.accumulate_grad_batches=1",
+        "the sharded rule reduce-scatters each task's gradient of a micro-batch that steps; micro-batches that "
+        "do not step keep whole gradients",
+    )
+    check = getattr(get_object(_where_now(_target(spec))), "check_sharded_rule", None) if _target(spec) else None
+    if check is not None:
+        check(spec)
+
+
+def _where_now(node: Any) -> Any:
+    """``node`` (a config, or a ``_target_`` string) with the names of moved classes and functions as they are now."""
+    if isinstance(node, str):
+        return next((new + node[len(old) :] for old, new in _MOVED.items() if node.startswith(old)), node)
+    if isinstance(node, dict):
+        return {k: _where_now(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_where_now(v) for v in node]
+    return node

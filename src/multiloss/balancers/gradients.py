@@ -1,0 +1,233 @@
+"""Gradient balancers: the tasks' gradients on the shared layers combined by a rule (one backward per task).
+
+- `PCGrad`: Yu et al. 2020, gradient surgery: each task's gradient on the shared parameters loses
+  its component along any other task's gradient it conflicts with (negative dot product); the
+  projected gradients are summed.
+- `JacobianDescent`: any aggregator of torchjd (UPGrad, MGDA, ...) applied to the tasks' Jacobian on
+  the shared parameters: a dependency (the ``torchjd`` extra), not a copy (exact MGDA:
+  `multiloss.balancers.min_norm`).
+- `GradNorm`: Chen et al. 2018, task weights trained so the tasks' gradient norms on the shared layers train
+  at equal rates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from multiloss.balancers.protocol import GradientBalancer, GramianRule
+from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
+from multiloss.config import require
+
+
+class PCGrad(GradientBalancer):
+    """Yu et al. 2020 (PCGrad): project each task's gradient off the tasks it conflicts with, then sum.
+
+    For each task i, in a random order of the other tasks j (the paper's Algorithm 1; ``shuffle:
+    false`` takes them in index order): if gᵢ·gⱼ < 0, gᵢ ← gᵢ - (gᵢ·gⱼ / ‖gⱼ‖²)·gⱼ, with gⱼ the
+    original gradient of task j. Only the shared parameters are projected; a task's own head gets its
+    own gradient. Tasks keep their configured weights (cᵢ·Lᵢ). The order's generator is in the
+    checkpoint. Under DDP (and FSDP2, the net held whole for its step: `multiloss.sharding.LocalGradients`)
+    each rank projects its own per-task gradients before they are averaged (as the paper's code does on
+    one device); averaging the per-task gradients first would cost one all-reduce per task.
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        shuffle: bool = True,
+        seed: int = 0,
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+        scope: str = "rank",
+    ) -> None:
+        super().__init__(tasks, base, shared, net, scope)
+        self.shuffle = bool(shuffle)
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        return self.base
+
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        return gradient_surrogate(grads, pcgrad(grads.vectors, self.orders(len(self.tasks))))
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        coefficients = pcgrad_coefficients(gramian, self.orders(len(self.tasks)))
+        return GramianRule(coefficients, torch.ones_like(coefficients))
+
+    def orders(self, n: int) -> list[list[int]]:
+        """For each task, the other tasks in the order they are projected against."""
+        if not self.shuffle:
+            return [[j for j in range(n) if j != i] for i in range(n)]
+        return [[j for j in torch.randperm(n, generator=self.generator).tolist() if j != i] for i in range(n)]
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def pcgrad_coefficients(gramian: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Σᵢ PCGrad(gᵢ) as coefficients of the gᵢ, from their Gramian alone: `pcgrad`'s projections, each gᵢ kept as
+    its coefficients a (gᵢ = Σₘ aₘ·gₘ, so gᵢ·gⱼ = (a·G)ⱼ)."""
+    n = len(gramian)
+    total = gramian.new_zeros(n)
+    tiny = torch.finfo(gramian.dtype).tiny
+    for i, order in enumerate(orders):
+        a = gramian.new_zeros(n)
+        a[i] = 1.0
+        for j in order:
+            a[j] = a[j] - torch.clamp(a @ gramian[:, j], max=0) / gramian[j, j].clamp_min(tiny)
+        total = total + a
+    return total
+
+
+def pcgrad(vectors: torch.Tensor, orders: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Σᵢ PCGrad(gᵢ) for the rows gᵢ of ``vectors``, each projected against the rows ``orders[i]`` in turn.
+
+    Without a host sync: a projection that does not apply (gᵢ·gⱼ ≥ 0) has coefficient 0.
+    """
+    total = torch.zeros_like(vectors[0])
+    tiny = torch.finfo(vectors.dtype).tiny
+    for i, order in enumerate(orders):
+        g = vectors[i].clone()
+        for j in order:
+            other = vectors[j]
+            g = g - (torch.clamp(g @ other, max=0) / (other @ other).clamp_min(tiny)) * other
+        total = total + g
+    return total
+
+
+class JacobianDescent(GradientBalancer):
+    """A torchjd aggregator (``torchjd.aggregation``: UPGrad, MGDA, ...) of the tasks' Jacobian on shared parameters.
+
+    The Jacobian's rows are the tasks' gradients cᵢ·∇Lᵢ on the shared parameters (found, as for
+    PCGrad); torchjd aggregates them into the update (UPGrad, Quinton & Rey 2024: each row projected
+    onto the dual cone of all rows, so the update conflicts with no task; MGDA, Désidéri 2012: the
+    minimum-norm point of their convex hull); each task's own head gets its own gradient. One
+    backward per task. ``aggregator``: a torchjd aggregator (its config, ``_target_:
+    torchjd.aggregation.UPGrad``). Needs the ``torchjd`` extra.
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        aggregator: Callable[[torch.Tensor], torch.Tensor],
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+        scope: str = "rank",
+    ) -> None:
+        super().__init__(tasks, base, shared, net, scope)
+        require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
+        self.aggregator = aggregator
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        return self.base
+
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        return gradient_surrogate(grads, self.aggregator(grads.vectors))
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        coefficients = _gramian_weighting(self.aggregator)(gramian)
+        return GramianRule(coefficients, torch.ones_like(coefficients))
+
+    @staticmethod
+    def check_sharded_rule(spec: dict[str, Any]) -> None:
+        """Refuse, before the run starts, an aggregator the sharded rule (``scope=global`` under FSDP2) cannot run."""
+        from hydra.utils import instantiate
+
+        _gramian_weighting(instantiate(spec["aggregator"]))
+
+
+def _gramian_weighting(aggregator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """torchjd's Gramian-weighted aggregators (UPGrad, MGDA, ...) are a weighting of the Gramian: J ↦ Jᵀ·w(JJᵀ)."""
+    weighting = getattr(aggregator, "gramian_weighting", None)
+    require(
+        weighting is not None,
+        "model.balancer.aggregator",
+        type(aggregator).__name__,
+        "an aggregator torchjd defines by a Gramian weighting (UPGrad, MGDA, ...) for scope=global under FSDP, "
+        "or model.balancer.scope=rank",
+        "the sharded rule sees the tasks' Gramian, not their gradients",
+    )
+    return weighting
+
+
+class GradNorm(GradientBalancer):
+    """Chen et al. 2018 (GradNorm): task weights trained so the tasks' gradient norms train at equal rates.
+
+    Gᵢ = ‖∇_W wᵢ·Lᵢ‖ on the shared parameters W (found, as for PCGrad; the paper's last shared layer
+    with ``shared: [<its name>]``), Ḡ their mean, rᵢ = (Lᵢ/Lᵢ(0)) / mean over tasks of the same. The weights wᵢ (in
+    the optimizer and checkpoint) get the gradient of Σᵢ |Gᵢ - Ḡ·rᵢ^α| with the target held constant,
+    i.e. sign(Gᵢ - Ḡrᵢ^α)·‖∇_W Lᵢ‖; the network gets Σ cᵢ·wᵢ·∇Lᵢ. Before each step the weights are
+    kept positive (one pushed to ``min_weight`` or below is raised to it: a weight ≤ 0 would turn its
+    task's gradient around, and the sign of its own rule with it) and renormalised to sum to the number
+    of tasks. ``alpha``: the restoring force (the paper's 0.12–3;
+    1.5 for its NYUv2 runs). One backward per task. Lᵢ(0): the first step's losses, averaged over the ranks.
+    """
+
+    adaptive = True
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        alpha: float = 1.5,
+        min_weight: float = 1e-3,
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+        scope: str = "rank",
+    ) -> None:
+        super().__init__(tasks, base, shared, net, scope)
+        require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
+        require(0 < min_weight < 1, "min_weight", min_weight, "a number in (0, 1): the least weight a task keeps")
+        self.alpha, self.min_weight = float(alpha), float(min_weight)
+        self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
+        self.initial_losses = torch.full((len(self.tasks),), math.nan)  # extra state: not broadcast by DDP
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # positive, then the paper's renormalisation: Σ wᵢ = K after every update
+            self.task_weight.clamp_(min=self.min_weight)
+            self.task_weight.mul_(len(self.tasks) / self.task_weight.sum())
+        return self.base * self.task_weight.detach()
+
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        own = self._own_term(grads.vectors.float().norm(dim=1), losses)  # ‖∇_W cᵢLᵢ‖
+        weighted = grads.scaled(self.task_weight.detach())
+        # The net's gradient Σ wᵢ·∇(cᵢLᵢ), and the weights' own: the gradient of their loss, target held constant.
+        return gradient_surrogate(weighted, weighted.vectors.sum(0)) + own
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        own = self._own_term(gramian.diagonal().float().clamp_min(0).sqrt(), losses)
+        w = self.task_weight.detach().to(gramian.dtype)
+        return GramianRule(w, w, own)
+
+    def _own_term(self, norms: torch.Tensor, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The weights' loss for the shared gradients' norms ``norms``: its gradient is sign(Gᵢ - Ḡrᵢ^α)·normᵢ."""
+        values = torch.stack([loss.detach().float() for loss in losses])
+        if self.scope == "global" and self._mean_over_ranks is not None:
+            values = self._mean_over_ranks(values)  # the global batch's losses, as its gradients
+        if self.initial_losses.device != values.device:
+            self.initial_losses = self.initial_losses.to(values.device)
+        if bool(torch.isnan(self.initial_losses).any()):
+            # The ranks' mean: the same Lᵢ(0) on every rank, so a resumed run (which loads rank
+            # zero's) goes on as the straight one would.
+            self.initial_losses = self._mean_over_ranks(values.clone()) if self._mean_over_ranks else values.clone()
+        g = self.task_weight.detach() * norms
+        ratio = values / self.initial_losses
+        target = g.mean() * (ratio / ratio.mean()) ** self.alpha
+        weight_grad = torch.sign(g - target) * norms
+        return (self.task_weight * weight_grad.to(self.task_weight.dtype).detach()).sum()
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"initial_losses": self.initial_losses.cpu()}
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.initial_losses = state["initial_losses"].clone()

@@ -1,0 +1,229 @@
+"""The balancer protocol: what a balancer is (`Balancer`, `GradientBalancer`), and one step of it (`balance`).
+
+A step hands its task losses to `balance`, which runs the protocol in the order it must run — the
+epoch the batch belongs to, the weights for the detached losses, the balancer's own term, a gradient
+balancer's combined gradient — on the path the run's parallelism needs: a gradient rule on each rank's
+whole gradients (one device, DDP, FSDP2 with the net held whole), or on the shards (FSDP2,
+``scope=global``: `multiloss.balancers.sharded_rule`). It returns `Balanced`, which the recipe backwards
+with `Balanced.backward` whatever the balancer's kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from multiloss.balancers.sharded_rule import apply_sharded_rule
+from multiloss.balancers.task_gradients import TaskGradients, select_parameters, task_gradients
+from multiloss.config import require
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Balancer(nn.Module):
+    """Maps a step's task losses to the weights of one backward, plus an optional term of its own.
+
+    ``tasks``: the task names, in the order of the loss vector; ``base``: the configured weights cᵢ.
+    """
+
+    adaptive = True  # its weights change: the recipe logs them as weight/<task>
+    combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
+    shared: list[str] | None = None  # the names of the layers its rule works on (None: found)
+
+    def __init__(self, tasks: Sequence[str], base: Sequence[float]) -> None:
+        super().__init__()
+        self.tasks = tuple(tasks)
+        # Not persistent: the configured weights come from the config, not from the checkpoint.
+        self.register_buffer("base", torch.tensor([float(b) for b in base]), persistent=False)
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        """This step's weights (one per task) for the detached task losses ``losses``."""
+        raise NotImplementedError
+
+    def extra(self, losses: torch.Tensor) -> torch.Tensor | None:
+        """A scalar added to the backward to train the balancer's own parameters (None: nothing)."""
+        return None
+
+    def surrogate(
+        self,
+        losses: Sequence[torch.Tensor],
+        params: Sequence[nn.Parameter],
+        shared: Sequence[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
+        """A scalar whose gradient on ``params`` is this step's combined gradient (``combines_gradients`` balancers).
+
+        ``losses``: each task's own loss tensor (not slices of one stacked vector: a slice's graph
+        reaches every task). ``shared``: the parameters ``shared`` names, as the net holds them now (None:
+        found). The recipe backwards the result as its one loss.
+        """
+        raise NotImplementedError
+
+    def start_epoch(self, epoch: int, reduce: Reduce) -> None:
+        """Called before each training batch with the epoch it belongs to; ``reduce`` averages over the ranks.
+
+        At a batch, not at an epoch's end: a checkpoint taken at an epoch's end is saved before the
+        module's epoch-end hook runs, and a run resumed from it never calls that hook.
+        """
+
+    def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, torch.Tensor] | None:
+        """The extra state a checkpoint should hold instead of this rank's own (None: this rank's).
+
+        Called on every rank while a checkpoint is saved (a collective is allowed); the file holds
+        rank zero's copy, which every rank loads on resume.
+        """
+        return None
+
+
+def save_balancer_state(balancer: Balancer, checkpoint: dict, reduce: Reduce, prefix: str = "balancer.") -> None:
+    """Put ``balancer.checkpoint_extra_state`` into ``checkpoint`` (a recipe's ``on_save_checkpoint``, every rank)."""
+    state = balancer.checkpoint_extra_state(reduce)
+    if state is not None:
+        checkpoint["state_dict"][f"{prefix}_extra_state"] = state
+
+
+@dataclass
+class Balanced:
+    """One step's task losses, weighed by a balancer: what a recipe backwards (`backward`) and what it logs."""
+
+    losses: torch.Tensor  # the task losses, stacked (graph on)
+    weights: torch.Tensor  # this step's weights, one per task (no graph)
+    extra: torch.Tensor | None  # the balancer's own term, backwarded with weight 1 (graph on), or None
+    surrogate: torch.Tensor | None  # a gradient balancer's scalar to backward instead of the weighted losses
+    total: torch.Tensor  # Σ wᵢ·Lᵢ (+ the balancer's term): the step's total, graph on (detach it to log it)
+    backwarded: bool = False  # the step's gradient is in .grad already (the sharded rule): nothing left to backward
+
+    def backward(self, step: Any, as_sum: bool = False) -> None:
+        """This step's gradient, through ``step`` (`multiloss.step.OptimizerStep`: its division by k, its sync),
+        whatever the balancer: a gradient balancer's surrogate; else the task losses seeded with the weights in one
+        pass (``grad_tensors``; the balancer's own term with weight 1) — or, ``as_sum``, the backward of the scalar
+        total Σ wᵢ·Lᵢ; nothing when the sharded rule has written the gradient already."""
+        if self.backwarded:
+            return
+        if self.surrogate is not None:
+            step.backward(self.surrogate)
+        elif as_sum:
+            step.backward(self.total)
+        elif self.extra is None:
+            step.backward(self.losses, gradient=self.weights)
+        else:
+            seeded = torch.cat([self.losses, self.extra.view(1)])
+            weights = torch.cat([self.weights, self.weights.new_ones(1)])
+            step.backward(seeded, gradient=weights)
+
+
+@dataclass
+class GramianRule:
+    """A gradient balancer's step as coefficients of the tasks' gradients gᵢ (of cᵢ·Lᵢ), from their Gramian: the shared
+    parameters get Σᵢ ``shared[i]``·gᵢ, every other parameter Σᵢ ``own[i]``·gᵢ; ``extra``: a term whose backward
+    trains the balancer's own parameters (GradNorm's weights), or None."""
+
+    shared: torch.Tensor
+    own: torch.Tensor
+    extra: torch.Tensor | None = None
+
+
+def balance(
+    balancer: Balancer,
+    losses: Mapping[str, torch.Tensor],
+    net: nn.Module,
+    parallelism: Any,
+    epoch: int,
+    mean_over_ranks: Reduce,
+    sum_over_ranks: Reduce,
+    backward: Callable[..., None],
+) -> Balanced:
+    """The balancer protocol of one training step, in the order it must run: the epoch it belongs to, the weights
+    for the detached losses, the balancer's own term, and a gradient balancer's combined gradient of ``net`` —
+    as a surrogate loss on each rank's whole gradients, or (FSDP2 with ``scope=global``: the net not held whole)
+    written into the shards' ``.grad`` by `multiloss.balancers.sharded_rule` through ``backward`` (the recipe's
+    ``manual_backward``)."""
+    balancer.start_epoch(epoch, mean_over_ranks)
+    stacked = torch.stack(list(losses.values()))
+    weights = balancer.weights(stacked.detach())
+    extra = balancer.extra(stacked)
+    total = (weights.to(stacked.dtype) * stacked).sum()
+    balanced = Balanced(stacked, weights, extra, None, total if extra is None else total + extra)
+    if not balancer.combines_gradients:
+        return balanced
+    shared = None if balancer.shared is None else select_parameters(net, balancer.shared)  # as the net holds them now
+    if parallelism.sharded and "net" not in parallelism.held:  # the rule on the shards
+        apply_sharded_rule(net, balancer, list(losses.values()), backward, sum_over_ranks, shared)
+        balanced.backwarded = True
+    else:  # read after the forward: under FSDP2 the net then holds its whole weights
+        balanced.surrogate = balancer.surrogate(list(losses.values()), list(net.parameters()), shared)
+    return balanced
+
+
+class GradientBalancer(Balancer):
+    """A balancer that combines the tasks' gradients itself: one gradient per task, then its own combination.
+
+    ``shared``: the shared parameters its rule works on, as names of ``model.net``'s modules or
+    parameters (``[trunk.1]``: the shipped trunk's last layer, GradNorm's "last shared layer"); null
+    finds them (those more than one task's loss reaches). Any other parameter gets each task's
+    weighted gradient, summed. ``net``: the recipe's network, passed by the recipe to resolve the names.
+
+    ``scope``: whose gradients the rule sees on several ranks. ``rank`` (default): each rank's own batch's, the
+    results then averaged — DDP's way, and the papers' code on one device's batch. ``global``: each task's gradient
+    of the whole global batch (averaged over the ranks first: one all-reduce of the task gradients a step), so the
+    rule is the one a single device would apply to the global batch whatever the number of ranks; under FSDP2 the
+    rule then runs on the shards (`multiloss.balancers.sharded_rule`: the net is not held whole). One device: the same.
+    """
+
+    adaptive = False
+    combines_gradients = True
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+        scope: str = "rank",
+    ) -> None:
+        super().__init__(tasks, base)
+        require(shared is None or net is not None, "shared", shared, "null, unless the recipe passes its net")
+        require(
+            scope in ("rank", "global"),
+            "scope",
+            scope,
+            "rank (each rank's own gradients, then averaged: DDP's way) or global (the global batch's gradients)",
+        )
+        self.scope = scope
+        # Names, judged now: the net's parameter objects change when FSDP2 shards it (and gathers it for a step).
+        self.shared = None if shared is None else list(shared)
+        self._shared_built = None if shared is None else select_parameters(net, shared)
+        self._mean_over_ranks: Reduce | None = None
+
+    def start_epoch(self, epoch: int, reduce: Reduce) -> None:
+        self._mean_over_ranks = reduce
+
+    def surrogate(
+        self,
+        losses: Sequence[torch.Tensor],
+        params: Sequence[nn.Parameter],
+        shared: Sequence[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
+        """Each task's gradient of cᵢ·Lᵢ (the configured weight), combined by `combine` into a surrogate loss.
+
+        Outside autocast: the step's forward runs under mixed precision, but the rule's own arithmetic
+        (projections, norms, a QP's Gramian) is done in the gradients' precision, as a backward would.
+        """
+        weighted = [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
+        with torch.autocast(weighted[0].device.type, enabled=False):
+            grads = task_gradients(weighted, params, shared if shared is not None else self._shared_built)
+            if self.scope == "global" and self._mean_over_ranks is not None:
+                grads = grads.averaged(self._mean_over_ranks)  # the global batch's: every rank then agrees
+            return self.combine(grads, losses)
+
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The surrogate loss (`task_gradients.gradient_surrogate`) of this step's tasks' gradients."""
+        raise NotImplementedError
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        """This step's rule from the tasks' Gramian on the shared parameters (gᵢ·gⱼ): what `combine` does, as
+        coefficients of the tasks' gradients (the sharded rule: the gradients themselves are spread over the ranks)."""
+        raise NotImplementedError

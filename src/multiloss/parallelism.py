@@ -1,0 +1,116 @@
+"""`Parallelism`: how a run's ranks share the work — one device, DDP or FSDP2 — decided once, from the Trainer.
+
+The one place that answers "is this run sharded?" (`Parallelism.sharded`), and the one owner of what a
+recipe's step needs from the parallel engine: the no-sync block of a micro-batch that does not step,
+the components held whole for their step under FSDP2 (`multiloss.sharding.LocalGradients`), the
+networks' sharding at ``configure_model``, the averaging of a balancer's unsharded gradients before each
+optimizer step. `strategy_of` puts multiloss's own strategies (Hydra-job launching, one DDP wrapper per
+network, FSDP2 with all ranks data-parallel) in place of Lightning's, once, when the Trainer is built.
+The strategies themselves (`multiloss.distributed.DDPStrategy`, `multiloss.sharding.FSDPStrategy`) own
+the launch, the torchrun join and the teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import lightning as L
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from multiloss import lightning_internals as internals
+from multiloss import sharding
+
+if TYPE_CHECKING:
+    from multiloss.module import Recipe
+
+_NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
+_ATTRIBUTE = "_multiloss_parallelism"  # where a strategy keeps the one Parallelism chosen for it
+
+
+class Parallelism:
+    """One device or DDP: nothing is sharded; a micro-batch that does not step skips DDP's all-reduce."""
+
+    sharded: ClassVar[bool] = False
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.held: dict[str, sharding.LocalGradients] = {}  # the components held whole for their step, by name
+
+    def no_sync(self, active: bool = True) -> Any:
+        """A block whose backward no rank reduces (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``)
+        when ``active``: its gradients stay in ``.grad`` and the next synced backward reduces their sum."""
+        if not active or self.strategy is None:
+            return _NOTHING
+        return internals.no_gradient_sync(self.strategy)
+
+    def held_whole(self, stepping: bool, components: Sequence[str] | None = None) -> Any:
+        """A block around the forward and backward(s) of ``components`` (None: every one held whole): under FSDP2 their
+        gradients are handed over at its end, averaged into the shards when ``stepping``; nothing otherwise."""
+        held = list(self.held.values()) if components is None else [self.held[n] for n in components if n in self.held]
+        if not held:
+            return _NOTHING
+        stack = contextlib.ExitStack()
+        for component in held:
+            stack.enter_context(component.step(stepping))
+        return stack
+
+    def prepare(self, recipe: Recipe) -> None:
+        """Lightning's ``configure_model``: the networks made ready for this engine (FSDP2: sharded, once)."""
+
+    def before_optimizer_step(self, optimizer: Any, mean_over_ranks: Callable[[Any], Any]) -> None:
+        """What the optimizer's gradients need before its step beyond what the engine's backward did."""
+
+
+class Sharded(Parallelism):
+    """FSDP2: every network sharded on its own (`multiloss.sharding`); each rank draws and evaluates through gathers."""
+
+    sharded = True
+
+    def prepare(self, recipe: Recipe) -> None:
+        if (before := getattr(recipe, _ATTRIBUTE, None)) is not None:  # fitted again: sharded once, its held kept
+            self.held = before.held
+            return
+        trainer = recipe.trainer
+        self.held = sharding.shard_components(
+            recipe,
+            recipe.components,
+            recipe.device_mesh["data_parallel"],
+            shard=recipe.fsdp["shard"],
+            recompute=recipe.fsdp["checkpoint"],
+            mp_policy=sharding.mixed_precision_policy(trainer),
+            held_whole=recipe.held_whole(trainer),
+        )
+        object.__setattr__(recipe, _ATTRIBUTE, self)  # a plain attribute, not a submodule
+
+    def before_optimizer_step(self, optimizer: Any, mean_over_ranks: Callable[[Any], Any]) -> None:
+        # FSDP2 reduces the gradients of the parameters it shards; any other (a balancer's) is averaged here, as DDP
+        # would have averaged it.
+        sharding.average_unsharded_gradients(optimizer, mean_over_ranks)
+
+
+def parallelism_of(trainer: L.Trainer | None) -> Parallelism:
+    """The `Parallelism` of ``trainer``'s strategy (chosen once, kept on the strategy); one device without a Trainer."""
+    if trainer is None:
+        return Parallelism(None)
+    strategy = trainer.strategy
+    chosen = getattr(strategy, _ATTRIBUTE, None)
+    if chosen is None:
+        chosen = (Sharded if isinstance(strategy, ModelParallelStrategy) else Parallelism)(strategy)
+        setattr(strategy, _ATTRIBUTE, chosen)
+    return chosen
+
+
+def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
+    """The Trainer ``build(**overrides)`` makes, on multiloss's strategy for the engine it picked: whatever ends in
+    Lightning's DDP runs as `multiloss.distributed.DDPStrategy` (built again with it); both it and
+    `multiloss.sharding.FSDPStrategy` start their ranks as Hydra jobs (`multiloss.distributed.HydraJobLauncher`)."""
+    from multiloss.distributed import HydraJobLauncher, HydraJobStrategy, multiloss_ddp
+
+    trainer = build()
+    if (ddp := multiloss_ddp(trainer, requested)) is not None:
+        trainer = build(strategy=ddp)
+    if isinstance(trainer.strategy, HydraJobStrategy):
+        internals.use_launcher(trainer.strategy, HydraJobLauncher)
+    return trainer

@@ -1,0 +1,163 @@
+"""`OptimizerStep`: the one owner of what a plain training loop does around its backward, for every recipe.
+
+A recipe writes its step as the hand-written loop reads — forward, losses, backward — inside
+``with self.step_of(optimizer, batch_idx) as step:`` and calls ``step.backward(loss)``. The block
+decides the rest, identically in all five recipes:
+
+- whether this micro-batch ends an optimizer step (every ``accumulate_grad_batches``-th of its epoch,
+  and the epoch's last: no gradient is carried into the next epoch, as Lightning decides);
+- the gradient sync of the backward inside (DDP's ``no_sync`` / FSDP2's hand-over when it does not step;
+  a component held whole under FSDP2 hands its gradients over at the block's end:
+  `multiloss.parallelism`);
+- the division of each micro-batch's loss by k (``loss / k``: k micro-batches of b sum to one batch of k·b);
+- at the block's end, on a micro-batch that steps: clipping (``model.gradient_clip_val``), the optimizer's
+  step and ``zero_grad(set_to_none=True)``; then, on every micro-batch, the learning-rate schedule (interval
+  step after a step, interval epoch after an epoch's last batch).
+
+A multi-optimizer recipe (the GAN) takes one block per network (``toggle=True``: only that network's weights
+require grad inside, Lightning's ``toggle_optimizer``), and a step of several micro-batches inside one
+training batch (the GAN's generator) iterates ``step.micro_batches(k)``, each micro-batch in its own sync block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from multiloss import lightning_internals as internals
+from multiloss.config import ConfigError, require
+
+if TYPE_CHECKING:
+    from multiloss.module import Recipe
+
+
+class OptimizerStep:
+    """One micro-batch (or several, `micro_batches`) of ``optimizer``'s step; see the module's docstring.
+
+    ``stepping``: whether the step is taken at the block's end; ``components``: the networks whose held-whole
+    gradients (FSDP2) this block hands over (None: every one held whole); ``batch_done``: whether the training batch
+    ends with this block (tbptt's last chunk), for an epoch-interval schedule.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        optimizer: Any,
+        stepping: bool,
+        *,
+        components: tuple[str, ...] | None = None,
+        toggle: bool = False,
+        batch_done: bool = True,
+    ) -> None:
+        self.recipe, self.optimizer, self.stepping = recipe, optimizer, stepping
+        self.components, self.toggle, self.batch_done = components, toggle, batch_done
+        self.k = recipe.accumulate_grad_batches
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> OptimizerStep:
+        parallelism = self.recipe.parallelism
+        # The no-sync block first, then the toggle, as Lightning's toggle_model nests them; the held-whole block
+        # innermost: its hand-over at the exit sees the gradients of every backward inside.
+        self._stack.enter_context(parallelism.no_sync(active=not self.stepping))
+        if self.toggle:
+            self.recipe.toggle_optimizer(self.optimizer)
+            self._stack.callback(self.recipe.untoggle_optimizer, self.optimizer)
+        self._stack.enter_context(parallelism.held_whole(self.stepping, self.components))
+        return self
+
+    def micro_batches(self, n: int) -> Iterator[int]:
+        """``n`` micro-batches of this step inside one training batch (the GAN's generator): only the last one's forward
+        and backward sync (on a block that steps), the others accumulate unsynced."""
+        for i in range(n):
+            with self.recipe.parallelism.no_sync(active=i < n - 1):
+                yield i
+
+    def backward(
+        self, loss: torch.Tensor, gradient: torch.Tensor | None = None, *, scaled: bool = False, sync: bool = True
+    ) -> None:
+        """Backward ``loss`` / k (``scaled``: ``loss`` carries its step's weighting already, nothing divided);
+        ``gradient``: the seed of a vector of losses (``grad_tensors``); ``sync=False``: this backward does not sync
+        even on a micro-batch that steps (a later one in the block syncs the sum: the DCGAN's real-then-fake)."""
+        if not scaled and self.k > 1:
+            loss = loss / self.k
+        kwargs = {} if gradient is None else {"gradient": gradient}
+        with self.recipe.parallelism.no_sync(active=not sync):
+            self.recipe.manual_backward(loss, **kwargs)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self._stack.__exit__(exc_type, exc, tb)  # the held-whole hand-over, the toggle undone, the sync restored
+        if exc_type is not None:
+            return False
+        if self.stepping:
+            self.recipe.clip_gradients(self.optimizer)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        step_schedules(self.recipe.trainer, self.optimizer, self.stepping, self.batch_done)
+        return False
+
+
+def ends_optimizer_step(recipe: Recipe, batch_idx: int) -> bool:
+    """Whether training batch ``batch_idx`` ends an optimizer step: every ``accumulate_grad_batches``-th of its epoch,
+    and the epoch's last (no gradient is carried into the next epoch), as Lightning decides."""
+    return (batch_idx + 1) % recipe.accumulate_grad_batches == 0 or internals.epoch_ends(recipe.trainer)
+
+
+def step_schedules(trainer: Any, optimizer: Any, stepped: bool, batch_done: bool = True) -> None:
+    """``optimizer``'s schedule: a step after each of its steps (interval step), one after an epoch's last batch
+    (interval epoch: once ``batch_done``, tbptt's last chunk); a ``validation`` schedule steps when a validation
+    ends (`multiloss.schedules.StepOnValidation`)."""
+    configs = trainer.lr_scheduler_configs
+    if not configs:
+        return
+    raw = getattr(optimizer, "optimizer", optimizer)
+    for config in configs:
+        interval = getattr(config.scheduler, "interval", config.interval)  # ours say; torch's: Lightning's
+        if config.scheduler.optimizer is raw and (
+            (stepped and interval == "step") or (interval == "epoch" and batch_done and internals.epoch_ends(trainer))
+        ):
+            config.scheduler.step()
+
+
+def check_step_options(accumulate_grad_batches: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any) -> None:
+    """Refuse a step option out of its range, naming its key (``model.<key>`` once Hydra's instantiation adds it)."""
+    require(
+        isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1,
+        "accumulate_grad_batches",
+        accumulate_grad_batches,
+        "an integer ≥ 1 (micro-batches per optimizer step; 1 = no accumulation)",
+    )
+    require(
+        gradient_clip_val is None or gradient_clip_val > 0,
+        "gradient_clip_val",
+        gradient_clip_val,
+        "a positive number (the largest gradient norm, or value, per step), or null for no clipping",
+    )
+    require(
+        gradient_clip_algorithm in ("norm", "value"),
+        "gradient_clip_algorithm",
+        gradient_clip_algorithm,
+        "norm or value",
+    )
+
+
+def refuse_lightning_step_options(trainer: Any) -> None:
+    """Refuse the Trainer settings a recipe's step does itself (Lightning cannot apply them under manual
+    optimization), naming the recipe's own key."""
+    moved = (
+        ("accumulate_grad_batches", trainer.accumulate_grad_batches, 1),
+        ("gradient_clip_val", trainer.gradient_clip_val, None),
+        ("gradient_clip_algorithm", getattr(trainer.gradient_clip_algorithm, "value", None), None),
+    )
+    for key, value, unset in moved:
+        if value != unset:
+            with_value = " with model.gradient_clip_val=<max>" if key == "gradient_clip_algorithm" else ""
+            raise ConfigError(
+                f"trainer.{key}",
+                value,
+                f"{unset if unset is not None else 'null'}; every recipe does this in its own step: "
+                f"model.{key}={value}{with_value}",
+                "Lightning cannot apply it under manual optimization",
+            )
