@@ -1,5 +1,8 @@
-"""Checkpoints written before the step options and the balancer lifecycle were unified (issue 26) still load and
-resume to the weights the code that wrote them reached.
+"""Checkpoints written by earlier code still load and resume to the weights the code that wrote them reached.
+
+Before issue 26 (the step options and the balancer lifecycle unified), and before issue 34 (one owner each for
+the step, the parallelism, the balancers and a run's saved state: every recipe, a sharded run's directory
+included, ``tests/data/before_issue34/make.py`` wrote them from commit e12c38f).
 
 ``tests/data/before_issue26/<recipe>_<balancer>.ckpt``: 2 epochs of multihead / weighted with a balancer that
 has parameters or state (uncertainty, dwa, gradnorm), written by the code before the change;
@@ -9,14 +12,19 @@ balancer after the net (its optimizer state in that order) and named its head co
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from multiloss.recipes.accumulation import Accumulation
+from multiloss.recipes.gan import GAN
 from multiloss.recipes.multihead import MultiHead
+from multiloss.recipes.tbptt import TruncatedBPTT
 from multiloss.recipes.weighted import WeightedMultiTask
 
 from multiloss import train
+from tests.conftest import QUIET, load_weights, run_cli
 
 DATA = Path(__file__).parent / "data" / "before_issue26"
 CASES = ["multihead_uncertainty", "weighted_uncertainty", "multihead_dwa", "weighted_gradnorm"]
@@ -57,3 +65,48 @@ def test_a_checkpoint_of_the_earlier_code_loads_for_inference(case):
         k for k, v in saved.items() if isinstance(v, torch.Tensor) and not torch.allclose(state[k], v, 0, 0, True)
     ]  # NaN == NaN here: DWA's unknown epoch means
     assert not differ
+
+
+BEFORE_34 = DATA.parent / "before_issue34"
+_spec = importlib.util.spec_from_file_location("make_before_issue34", BEFORE_34 / "make.py")
+MADE = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(MADE)
+RECIPES = {"multihead": MultiHead, "weighted": WeightedMultiTask, "accumulation": Accumulation, "tbptt": TruncatedBPTT}
+RECIPES["gan"] = GAN
+ONE_PROCESS = [case for case in MADE.CASES if "fsdp" not in case]
+
+
+def _assert_resumed_to(got: dict, case: str) -> None:
+    expected = torch.load(BEFORE_34 / f"{case}.resumed_weights.pt", weights_only=True)
+    assert got.keys() == expected.keys()
+    tensors = [k for k, v in expected.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    worst = max((got[k].float() - expected[k].float()).abs().max().item() for k in tensors)
+    assert worst <= 1e-6, f"{case}: {worst:.3g} from the weights the earlier code resumed to"
+
+
+@pytest.mark.parametrize("case", ONE_PROCESS)
+def test_a_checkpoint_of_every_recipe_before_issue_34_resumes_to_its_weights(make_cfg, tmp_path, case):
+    overrides = [o for o in (*MADE.QUIET, *MADE.CASES[case]) if o not in QUIET]  # (make_cfg adds QUIET)
+    cfg = make_cfg(*overrides, "trainer.max_epochs=3", f"ckpt_path={BEFORE_34 / f'{case}.ckpt'}")
+    train(cfg)
+    _assert_resumed_to(torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["state_dict"], case)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_sharded_checkpoint_before_issue_34_resumes_sharded_to_its_weights(tmp_path):
+    case = "weighted_uncertainty_fsdp"
+    out = tmp_path / "run"
+    ckpt = f"ckpt_path={BEFORE_34 / f'{case}.ckpt'}"
+    proc = run_cli(*MADE.QUIET, *MADE.CASES[case], "trainer.max_epochs=3", ckpt, f"hydra.run.dir={out}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_resumed_to(load_weights(out / "checkpoints/last.ckpt"), case)
+
+
+@pytest.mark.parametrize("case", list(MADE.CASES))
+def test_a_checkpoint_of_every_recipe_before_issue_34_loads_for_inference(case):
+    ckpt = BEFORE_34 / f"{case}.ckpt"  # the sharded run's directory too, read whole
+    module = RECIPES[case.split("_")[0]].load_from_checkpoint(ckpt, map_location="cpu", weights_only=True)
+    saved = load_weights(ckpt)
+    state = module.state_dict()
+    assert not [k for k, v in saved.items() if isinstance(v, torch.Tensor) and not torch.equal(state[k], v)]

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 
+from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
 
 OptimizerFactory = Callable[..., Optimizer]
@@ -172,7 +173,7 @@ def compile_in_place(module: nn.Module, names: Sequence[str], not_compilable: Ca
     skipped = {name: why for name in names if (why := not_compilable(name))}
     for name in names:
         component = getattr(module, name)
-        if name not in skipped and component._compiled_call_impl is None:
+        if name not in skipped and not internals.is_compiled(component):
             component.compile()
     if skipped:
         rank_zero_info("model.compile: left eager: " + "; ".join(f"model.{n} ({why})" for n, why in skipped.items()))

@@ -23,28 +23,12 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.saved_state import LR_KEY
 from multiloss.schedules import CONSTANT, factor_at
 
 log = logging.getLogger("multiloss")
-
-# The entries of a torch scheduler's state that are its progress; every other entry is its configuration,
-# which the config gives (a resumed StepLR with another gamma decays by the new gamma).
-_PROGRESS = frozenset(
-    {
-        "last_epoch",
-        "_step_count",
-        "_last_lr",
-        "base_lrs",
-        "best",
-        "num_bad_epochs",
-        "cooldown_counter",
-        "_is_initial",
-        "_get_lr_called_within_step",
-        "lr_lambdas",
-    }
-)
 
 
 @dataclass
@@ -109,7 +93,7 @@ def resume_rates(plans: list[RatePlan], schedulers: list[Any], checkpoint: dict[
             if "initial_lr" in group:
                 group["initial_lr"] = now
             if schedule_state is not None:
-                for entry in ("base_lrs", "_last_lr"):
+                for entry in ("base_lrs", internals.SCHEDULER_LAST_RATES):
                     if entry in schedule_state and number < len(schedule_state[entry]):
                         schedule_state[entry][number] = now if entry == "base_lrs" else group["lr"]
             name = plan.key + (f" group {number}" if len(groups) > 1 else "")
@@ -150,7 +134,7 @@ def _schedule_changes(plan: RatePlan, saved: RatePlan, schedule_state: dict[str,
         # The configuration is the config's; the progress (steps taken, a plateau's best and cuts) the run's.
         current = plan.schedule
         for key, value in current.items():
-            if key in schedule_state and key not in _PROGRESS:
+            if key in schedule_state and key not in internals.SCHEDULER_PROGRESS:
                 schedule_state[key] = value
     return [
         f"model.scheduler.{key}={plan.schedule.get(key)} (the checkpoint's {saved.schedule.get(key)})"

@@ -261,6 +261,39 @@ def unscaled_since_update(scaler: Any, optimizer: torch.optim.Optimizer) -> bool
     return scaler._enabled and scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
 
+# --- torch: compiled modules, fused norms, a scheduler's progress ----------------------------------------
+
+# The attribute Lightning sets around every hook it calls (``LightningModule._current_fx_name``).
+HOOK_NAME = "_current_fx_name"
+# The entries of a torch scheduler's ``state_dict`` that are its progress (every other entry is its configuration),
+# and the one that holds the rates it last set.
+SCHEDULER_LAST_RATES = "_last_lr"
+SCHEDULER_PROGRESS = frozenset(
+    {
+        "last_epoch",
+        "_step_count",
+        SCHEDULER_LAST_RATES,
+        "base_lrs",
+        "best",
+        "num_bad_epochs",
+        "cooldown_counter",
+        "_is_initial",
+        "_get_lr_called_within_step",
+        "lr_lambdas",
+    }
+)
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` has compiled ``module`` in place (``nn.Module._compiled_call_impl``)."""
+    return module._compiled_call_impl is not None
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm in one fused kernel (``torch._foreach_norm``: what ``clip_grad_norm_`` itself uses)."""
+    return torch._foreach_norm(tensors)
+
+
 # --- the check ------------------------------------------------------------------------------------------
 
 # What this module reads, as "module:Owner.name" ("Owner()" when the class's methods assign it to instances).
@@ -306,6 +339,11 @@ READS = (
     "torch.amp.grad_scaler:GradScaler()._init_scale",
     "torch.amp.grad_scaler:GradScaler()._growth_interval",
     "torch.amp.grad_scaler:OptState",
+    "torch:_foreach_norm",
+    "torch.nn.modules.module:Module()._compiled_call_impl",
+    "torch.optim.lr_scheduler:LRScheduler()._step_count",
+    "torch.optim.lr_scheduler:LRScheduler()._last_lr",
+    "lightning.pytorch.core.module:LightningModule()._current_fx_name",
 )
 
 

@@ -18,23 +18,21 @@ from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
-from torch.optim import Optimizer
 
 from multiloss import lightning_internals as internals
 from multiloss import precision, sharding
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
-from multiloss.components import OptimizerFactory, compile_in_place, name_of, to_plain
-from multiloss.config import ConfigError
-from multiloss.learning_rate import RatePlan, apply_rule
+from multiloss.components import compile_in_place, name_of, to_plain
 from multiloss.parallelism import Parallelism, parallelism_of
 from multiloss.recipe_logging import RecipeLogging
-from multiloss.schedules import StepOnValidation, build_schedule
+from multiloss.recipe_optimizers import RecipeOptimizers
+from multiloss.schedules import StepOnValidation
 from multiloss.step import OptimizerStep, check_step_options, ends_optimizer_step, refuse_lightning_step_options
 from multiloss.training_log import TrainingLogWriter
 
 
-class Recipe(RecipeLogging):
+class Recipe(RecipeOptimizers, RecipeLogging):
     """Base of the recipes: the contract, the step options and the step's tools, dict batches, loss logging.
 
     Subclasses build their components in ``__init__`` (single-optimizer recipes set
@@ -81,10 +79,6 @@ class Recipe(RecipeLogging):
         """Why component ``name`` must stay eager under ``compile=true`` ('' if it can be compiled)."""
         return ""
 
-    def lr_rule(self, optimizer: Optimizer) -> tuple[float, dict[str, Any]]:
-        """The recipe's factor on ``optimizer``'s configured rates, and what it was computed from (1: none)."""
-        return 1.0, {}
-
     # --- the step options: declared here once, checked, kept ------------------------------------------
 
     def __init__(
@@ -101,18 +95,16 @@ class Recipe(RecipeLogging):
         self.automatic_optimization = False  # each step is the recipe's own training_step, visible end to end
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        self.scheduler_spec = to_plain(scheduler)
+        self.scheduler_spec = to_plain(scheduler)  # (the optimizer and its schedule: `RecipeOptimizers`)
         self.compile_components = bool(compile)
         self.fsdp = sharding.fsdp_options(fsdp)  # model.fsdp: shard, checkpoint (activation recomputation)
-        self.optimizer_factory: OptimizerFactory | None = None
-        self.rate_plans: dict[str, RatePlan] = {}  # per optimizer config key, in configure_optimizers' order
         self._components_checked = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
         # nn.Module.__setattr__ spends ~5 µs on each checking for parameters, buffers and modules,
         # which a str (or None) never is: a quarter of Lightning's own per-step cost on a small model.
-        if name == "_current_fx_name":
+        if name == internals.HOOK_NAME:
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
@@ -150,7 +142,7 @@ class Recipe(RecipeLogging):
             self.trainer.accumulate_grad_batches = self.accumulate_grad_batches
         precision.install(self.trainer.precision_plugin)  # 16-mixed: clipping on the true gradients
         if not self._components_checked and (batch := probe_batch(self.trainer)) is not None:
-            self.run_component_check(batch)
+            self.run_component_check(batch)  # before any step or write; else the first batch met (on_*_batch_start)
 
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self.attached_trainer is not None:
@@ -182,21 +174,30 @@ class Recipe(RecipeLogging):
         run_check(self, self.check_components, batch)
         self._components_checked = True
 
+    def _check_components_once(self, batch: Any) -> None:
+        if not self._components_checked:
+            self.run_component_check(batch)
+
     def component_name(self, key: str) -> str:
         """The ``_target_`` of component ``key`` (or the class of one given as an object), for messages."""
         return name_of(self.hparams.get(key, getattr(self, key, key)))
 
     # --- the step's tools, in the order a step uses them ----------------------------------------------
 
-    def prepare_batch(self, batch: Any) -> dict[str, Any]:
-        """``batch`` as a dict (`multiloss.batches.as_dict`); on the first, the component check; on a training batch
-        that writes a log row, the learning rates it trains at. Each recipe's steps start with it."""
-        batch = as_dict(batch)
-        if not self._components_checked:
-            self.run_component_check(batch)
-        if self.training and internals.writes_log_row(self.trainer):
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._check_components_once(batch)
+        if internals.writes_log_row(self.trainer):  # the rates this batch trains at, on its log row
             self.log_learning_rates()
-        return batch
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._check_components_once(batch)  # (a run without a probe batch at setup: the first batch it meets)
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._check_components_once(batch)
+
+    def prepare_batch(self, batch: Any) -> dict[str, Any]:
+        """``batch`` as a dict (``(x, y)`` tuples too: `multiloss.batches.as_dict`); every step starts with it."""
+        return as_dict(batch)
 
     def step_of(
         self,
@@ -229,34 +230,6 @@ class Recipe(RecipeLogging):
             return
         precision.unscale_for_clipping(self.trainer.precision_plugin, optimizer)
         super().clip_gradients(optimizer, value, gradient_clip_algorithm or self.gradient_clip_algorithm)
-
-    # --- the optimizer and its schedule -----------------------------------------------------------------
-
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_factory is None:
-            raise ConfigError(
-                "model.optimizer",
-                None,
-                "an optimizer config (optimizer=adam|adamw|sgd), or a callable params -> Optimizer",
-                "this module was built without one (fine for inference, not for training)",
-            )
-        return self.with_schedule(self.optimizer_factory(self.parameters()))
-
-    def with_schedule(self, optimizer: Optimizer, key: str = "model.optimizer") -> Any:
-        """``optimizer`` (config key ``key``) at the recipe's rate rule, with its ``model.scheduler`` schedule, as
-        ``configure_optimizers`` returns them; its `RatePlan` kept for checkpoints and resumes
-        (`multiloss.learning_rate`). Outside a Trainer the optimizer alone, at its configured rates."""
-        trainer = self.attached_trainer
-        if trainer is None:
-            return optimizer
-        plan = apply_rule(optimizer, key, *self.lr_rule(optimizer))
-        schedule, plan.schedule = build_schedule(self.scheduler_spec, optimizer, trainer)
-        self.rate_plans[key] = plan
-        return optimizer if schedule is None else {"optimizer": optimizer, "lr_scheduler": schedule}
-
-    def total_optimizer_steps(self) -> int:
-        """How many optimizer steps the run takes (a schedule's ``total_steps``): Lightning's estimate."""
-        return int(self.trainer.estimated_stepping_batches)
 
     def test_step(self, batch: Any, batch_idx: int) -> Any:
         return self.validation_step(batch, batch_idx)

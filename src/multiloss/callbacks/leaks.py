@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from multiloss import lightning_internals as internals
 from multiloss.lean_callback import LeanCallback
 
 
@@ -37,7 +38,7 @@ class GraphLeakDetector(LeanCallback):
         self.steps = steps
         self.outputs: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.after_batch: list[int] = []
-        self._forward_hooks: list[Any] = []
+        self._hooks: list[Any] = []
 
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -50,13 +51,13 @@ class GraphLeakDetector(LeanCallback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._forward_hooks:
-            self._forward_hooks = [m.register_forward_hook(self._note) for m in _eager_modules(pl_module)]
+        if not self._hooks:
+            self._hooks = [m.register_forward_hook(self._note) for m in _eager_modules(pl_module)]
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._forward_hooks:
+        if not self._hooks:
             return
         self._remove()
         self.after_batch.append(sum(t.numel() * t.element_size() for t in list(self.outputs.values())))
@@ -71,9 +72,9 @@ class GraphLeakDetector(LeanCallback):
         self._remove()
 
     def _remove(self) -> None:
-        for handle in self._forward_hooks:
+        for handle in self._hooks:
             handle.remove()
-        self._forward_hooks = []
+        self._hooks = []
 
     def _verdict(self) -> None:
         held = self.after_batch
@@ -90,7 +91,7 @@ class GraphLeakDetector(LeanCallback):
 
 def _eager_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` and its submodules, less those compiled with ``Module.compile()`` and everything inside them."""
-    compiled = [name for name, m in module.named_modules() if m._compiled_call_impl is not None]
+    compiled = [name for name, m in module.named_modules() if internals.is_compiled(m)]
     return [
         m
         for name, m in module.named_modules()

@@ -126,7 +126,7 @@ def nonfinite_weights(module: torch.nn.Module) -> list[str]:
     if not named:
         return []
     local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
-    norms = torch._foreach_norm([t.detach() for t in local])
+    norms = internals.foreach_norm([t.detach() for t in local])
     bad = torch.stack([n.float() for n in norms]).isfinite().logical_not()
     if any(isinstance(p, DTensor) for _, p in named):
         bad = bad.int()

@@ -37,7 +37,7 @@ CASES = {
         "model.accumulate_grad_batches=2",
         "data.batch_size=128",
         "trainer=cpu",
-        "scheduler=warmup_cosine",
+        "scheduler=step",
     ),
     "tbptt_streams": ("recipe=tbptt", "data.layout=streams", "trainer=cpu", "trainer.limit_train_batches=4"),
     "gan_wgan_gp": (
