@@ -7,6 +7,9 @@ with the model key named. Clipping under a GradScaler (16-mixed) sees the true g
 
 from __future__ import annotations
 
+import math
+
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -122,3 +125,58 @@ def test_the_logging_step_counts_optimizer_steps_under_accumulation(make_cfg, tm
     trainer.fit_loop.epoch_loop.max_steps = 3
     trainer.fit(model, datamodule=datamodule)  # the same Trainer again: Lightning's check passes
     assert trainer.global_step == 3
+
+
+class _StepRecorder(L.Callback):
+    """Each optimizer step as the optimizer sees it: the batch, which optimizer, its rate, its gradient norm."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, float, float]] = []
+        self.lengths: list[int] = []  # each training batch's sequence length (tbptt: its chunks)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batch_idx = batch_idx
+        x = batch["x"] if isinstance(batch, dict) else batch[0]
+        self.lengths.append(x.shape[1] if x.dim() > 1 else 1)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        index = [getattr(o, "optimizer", o) for o in trainer.optimizers].index(
+            getattr(optimizer, "optimizer", optimizer)
+        )
+        grads = [p.grad.norm() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(grads)).item()
+        self.steps.append((self.batch_idx, index, optimizer.param_groups[0]["lr"], norm))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_step_options_act_the_same_in_every_recipe(make_cfg, recipe):
+    """k = 2, clipping at 1e-3 and a per-step warm-up through each recipe's step (`multiloss.step.OptimizerStep`): every
+    optimizer steps once every k micro-batches (tbptt's micro-batches are its chunks), on a gradient clipped to the
+    bound, at the rate the schedule gives its own step count (the warm-up's (j + 1) / 4 of the rate: one schedule
+    step per optimizer step, none per micro-batch)."""
+    gan = ("model.n_critic=1",) if recipe == "gan" else ()
+    cfg = make_cfg(
+        f"recipe={recipe}",
+        *RECIPES[recipe],
+        *gan,
+        *BARE,
+        "model.accumulate_grad_batches=2",
+        "model.gradient_clip_val=1e-3",
+        "scheduler=warmup_cosine",
+        "model.scheduler.warmup_steps=3",
+    )
+    datamodule, model = testing.build(cfg)
+    recorder = _StepRecorder()
+    testing.bare_trainer(max_epochs=1, limit_train_batches=8, callbacks=[recorder]).fit(model, datamodule=datamodule)
+    optimizers = sorted({i for _, i, _, _ in recorder.steps})
+    assert len(optimizers) == (2 if recipe == "gan" else 1)
+    for index in optimizers:
+        steps = [s for s in recorder.steps if s[1] == index]
+        if recipe == "tbptt":  # ⌈chunks / k⌉ steps in each batch
+            chunks = [math.ceil(n / model.chunk_length) for n in recorder.lengths]
+            assert [sum(1 for s in steps if s[0] == b) for b in range(8)] == [math.ceil(c / 2) for c in chunks]
+        else:
+            assert [s[0] for s in steps] == [1, 3, 5, 7]
+        assert all(0 < norm <= 1e-3 * (1 + 1e-4) for *_, norm in steps), steps
+        rates = [rate for _, _, rate, _ in steps]
+        assert rates[1] == pytest.approx(2 * rates[0]) and rates[2] == pytest.approx(3 * rates[0]), rates
