@@ -23,8 +23,7 @@ from multiloss import lightning_internals as internals
 from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
 from multiloss.module import Recipe
-from multiloss.parallelism import strategy_of
-from multiloss.sharding import check_sharded_run
+from multiloss.parallelism import check_sharded_run, strategy_of
 
 
 def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:

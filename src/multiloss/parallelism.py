@@ -6,7 +6,7 @@ the components held whole for their step under FSDP2 (`multiloss.sharding.LocalG
 networks' sharding at ``configure_model``, the averaging of a balancer's unsharded gradients before each
 optimizer step. `strategy_of` puts multiloss's own strategies (Hydra-job launching, one DDP wrapper per
 network, FSDP2 with all ranks data-parallel) in place of Lightning's, once, when the Trainer is built.
-The strategies themselves (`multiloss.distributed.DDPStrategy`, `multiloss.sharding.FSDPStrategy`) own
+The strategies themselves (`multiloss.distributed.DDPStrategy`, `multiloss.fsdp.FSDPStrategy`) own
 the launch, the torchrun join and the teardown.
 """
 
@@ -17,10 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from multiloss import lightning_internals as internals
 from multiloss import sharding
+from multiloss.config import ConfigError
 
 if TYPE_CHECKING:
     from multiloss.module import Recipe
@@ -105,7 +107,7 @@ def parallelism_of(trainer: L.Trainer | None) -> Parallelism:
 def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
     """The Trainer ``build(**overrides)`` makes, on multiloss's strategy for the engine it picked: whatever ends in
     Lightning's DDP runs as `multiloss.distributed.DDPStrategy` (built again with it); both it and
-    `multiloss.sharding.FSDPStrategy` start their ranks as Hydra jobs (`multiloss.distributed.HydraJobLauncher`)."""
+    `multiloss.fsdp.FSDPStrategy` start their ranks as Hydra jobs (`multiloss.distributed.HydraJobLauncher`)."""
     from multiloss.distributed import HydraJobLauncher, HydraJobStrategy, multiloss_ddp
 
     trainer = build()
@@ -114,3 +116,24 @@ def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
     if isinstance(trainer.strategy, HydraJobStrategy):
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
     return trainer
+
+
+def check_sharded_run(trainer_cfg: Any) -> None:
+    """Refuse, before Lightning builds the Trainer, a sharded run's precision the CPU cannot train in: gloo has no
+    bf16 collectives for FSDP2's reduce-scatter, and Lightning's ModelParallelStrategy refuses 16-mixed (its own
+    message then suggests bf16, which the CPU cannot do either). Nothing for another strategy."""
+    strategy = trainer_cfg.get("strategy")
+    target = strategy.get("_target_", "") if hasattr(strategy, "get") else ""
+    if not (target == "multiloss.fsdp.FSDPStrategy" or target.endswith("ModelParallelStrategy")):
+        return
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    precision = str(trainer_cfg.get("precision", "32-true"))
+    if on_cpu and precision not in ("32-true", "32", "64-true", "64"):
+        raise ConfigError(
+            "trainer.precision",
+            precision,
+            "32-true with trainer=fsdp_cpu (on GPUs, trainer=fsdp takes bf16-mixed)",
+            "gloo, the CPU's backend, has no bf16 collectives for FSDP2's reduce-scatter, and Lightning's "
+            "ModelParallelStrategy does not support 16-mixed",
+        )

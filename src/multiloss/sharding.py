@@ -1,7 +1,7 @@
 """Sharded training (FSDP2): every network of a recipe sharded on its own over the data-parallel ranks.
 
 ``trainer=fsdp_cpu`` (2 processes, gloo, fp32) and ``trainer=fsdp`` (every GPU, NCCL) run a recipe on
-`FSDPStrategy`, Lightning's `ModelParallelStrategy` (FSDP2, ``torch.distributed.fsdp.fully_shard``) with
+`multiloss.fsdp.FSDPStrategy`, Lightning's `ModelParallelStrategy` (FSDP2, ``torch.distributed.fsdp.fully_shard``) with
 all ranks data-parallel. Lightning's `FSDPStrategy` (FSDP1) is not the path: it cannot run manual
 optimization, and every recipe runs under it.
 
@@ -37,81 +37,16 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import shutil
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from multiloss import lightning_internals as internals
 from multiloss.components import to_plain
-from multiloss.config import ConfigError, require
-from multiloss.distributed import HydraJobStrategy
-from multiloss.torchrun import join_this_torchrun_attempt
-
-
-class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
-    """Lightning's `ModelParallelStrategy` (all its arguments) with every rank data-parallel (FSDP2 alone, no tensor
-    parallelism), Hydra-job-aware child launching, and the no-sync block of the micro-batches that do not step."""
-
-    strategy_name = "multiloss_fsdp"
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("tensor_parallel_size", 1)
-        super().__init__(**kwargs)
-
-    def setup_environment(self) -> None:
-        # Lightning's ModelParallelStrategy starts no launcher in ranks > 0, so only rank 0 got its share of the
-        # cores (rank 1 ran on all of them: oversubscribed, and its matmuls summed in another order than DDP's).
-        internals.set_threads_per_rank(self.num_processes)
-        # ModelParallelStrategy starts its process group here (its _setup_distributed), not in setup_distributed.
-        join_this_torchrun_attempt(self)
-        internals.use_data_parallel_world(self)  # data_parallel_size: all ranks (Lightning's "auto": the nodes)
-        super().setup_environment()
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """FSDP2's no_sync: the sharded modules keep this backward's gradients unreduced (accumulated)."""
-        units = [
-            m
-            for m in self.lightning_module.modules()
-            if hasattr(m, "set_requires_gradient_sync") and not getattr(m, _HELD_WHOLE, False)
-        ]  # a component held whole (LocalGradients) never syncs on FSDP2's schedule: left alone
-        for unit in units:
-            unit.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for unit in units:
-                unit.set_requires_gradient_sync(True, recurse=False)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's sharded save into a staging directory beside ``filepath``, then put in its place whole.
-
-        Written in place, a save cut short (a kill, a full disk) left old and new shards mixed under the old
-        ``.metadata``; and a file ``last.ckpt`` (the run continued from a DDP or one-device run) was deleted by each
-        rank in turn before the shards went in. Here the checkpoint is the old one or the new one (a file or a
-        directory, either way: `multiloss.checkpoints.replace`). Every rank calls it (Lightning saves on all)."""
-        if not internals.saves_distributed_checkpoint(self):
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        from multiloss.checkpoints import replace
-
-        target = Path(self.broadcast(str(filepath)))
-        staging = target.with_name(f".{target.name}.partial")
-        if self.global_rank == 0 and staging.exists():  # a save killed before its end
-            shutil.rmtree(staging) if staging.is_dir() else staging.unlink()
-        self.barrier("multiloss_checkpoint_staging")
-        super().save_checkpoint(checkpoint, staging, storage_options)
-        self.barrier("multiloss_checkpoint_written")
-        if self.global_rank == 0:
-            replace(staging, target)
-        self.barrier("multiloss_checkpoint_in_place")
-        return None
+from multiloss.config import require
 
 
 def shard_components(
@@ -146,7 +81,7 @@ def shard_components(
     return local
 
 
-_HELD_WHOLE = "_multiloss_held_whole"  # marks the FSDP units of a component LocalGradients holds
+HELD_WHOLE = "_multiloss_held_whole"  # marks the FSDP units of a component LocalGradients holds
 
 
 class LocalGradients:
@@ -164,7 +99,7 @@ class LocalGradients:
         self.component = component
         self.units = [m for m in component.modules() if hasattr(m, "reshard")]
         for unit in self.units:
-            setattr(unit, _HELD_WHOLE, True)
+            setattr(unit, HELD_WHOLE, True)
             # FSDP2 reduces nothing and reshards nothing in the backward: `hand_over` does both.
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
@@ -306,27 +241,6 @@ def mixed_precision_policy(trainer: Any) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def check_sharded_run(trainer_cfg: Any) -> None:
-    """Refuse, before Lightning builds the Trainer, a sharded run's precision the CPU cannot train in: gloo has no
-    bf16 collectives for FSDP2's reduce-scatter, and Lightning's ModelParallelStrategy refuses 16-mixed (its own
-    message then suggests bf16, which the CPU cannot do either). Nothing for another strategy."""
-    strategy = trainer_cfg.get("strategy")
-    target = strategy.get("_target_", "") if hasattr(strategy, "get") else ""
-    if not (target == f"{__name__}.FSDPStrategy" or target.endswith("ModelParallelStrategy")):
-        return
-    accelerator = str(trainer_cfg.get("accelerator", "auto"))
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    precision = str(trainer_cfg.get("precision", "32-true"))
-    if on_cpu and precision not in ("32-true", "32", "64-true", "64"):
-        raise ConfigError(
-            "trainer.precision",
-            precision,
-            "32-true with trainer=fsdp_cpu (on GPUs, trainer=fsdp takes bf16-mixed)",
-            "gloo, the CPU's backend, has no bf16 collectives for FSDP2's reduce-scatter, and Lightning's "
-            "ModelParallelStrategy does not support 16-mixed",
-        )
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
