@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -23,9 +23,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from multiloss import lightning_internals as internals
 from multiloss import sharding
 from multiloss.config import ConfigError
-
-if TYPE_CHECKING:
-    from multiloss.module import Recipe
 
 _NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
 _ATTRIBUTE = "_multiloss_parallelism"  # where a strategy keeps the one Parallelism chosen for it
@@ -58,7 +55,7 @@ class Parallelism:
             stack.enter_context(component.step(stepping))
         return stack
 
-    def prepare(self, recipe: Recipe) -> None:
+    def prepare(self, recipe: Any) -> None:
         """Lightning's ``configure_model``: the networks made ready for this engine (FSDP2: sharded, once)."""
 
     def before_optimizer_step(self, optimizer: Any, mean_over_ranks: Callable[[Any], Any]) -> None:
@@ -70,7 +67,7 @@ class Sharded(Parallelism):
 
     sharded = True
 
-    def prepare(self, recipe: Recipe) -> None:
+    def prepare(self, recipe: Any) -> None:
         if (before := getattr(recipe, _ATTRIBUTE, None)) is not None:  # fitted again: sharded once, its held kept
             self.held = before.held
             return

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
-
-if TYPE_CHECKING:
-    from multiloss.module import Recipe
 
 
 class OptimizerStep:
@@ -44,7 +41,7 @@ class OptimizerStep:
 
     def __init__(
         self,
-        recipe: Recipe,
+        recipe: Any,  # a multiloss.module.Recipe
         optimizer: Any,
         stepping: bool,
         *,
@@ -99,7 +96,7 @@ class OptimizerStep:
         return False
 
 
-def ends_optimizer_step(recipe: Recipe, batch_idx: int) -> bool:
+def ends_optimizer_step(recipe: Any, batch_idx: int) -> bool:
     """Whether training batch ``batch_idx`` ends an optimizer step: every ``accumulate_grad_batches``-th of its epoch,
     and the epoch's last (no gradient is carried into the next epoch), as Lightning decides."""
     return (batch_idx + 1) % recipe.accumulate_grad_batches == 0 or internals.epoch_ends(recipe.trainer)

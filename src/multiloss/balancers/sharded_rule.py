@@ -13,18 +13,15 @@ reduce-scatter).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from multiloss.balancers.protocol import GradientBalancer
-
 
 def apply_sharded_rule(
     net: nn.Module,
-    balancer: GradientBalancer,
+    balancer: Any,  # a multiloss.balancers.GradientBalancer (its `base`, `gramian_rule`)
     losses: Sequence[torch.Tensor],
     backward: Callable[..., None],
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
