@@ -1,11 +1,12 @@
 """Checkpoints written by earlier code still load and resume to the weights the code that wrote them reached.
 
-Before issue 26 (the step options and the balancer lifecycle unified), and before issue 34 (one owner each for
-the step, the parallelism, the balancers and a run's saved state: every recipe, a sharded run's directory
-included, ``tests/data/before_issue34/make.py`` wrote them from commit e12c38f).
+Checkpoints that name multihead's head count (written before the step options and the balancer lifecycle were
+one), and checkpoints of every recipe, a sharded run's directory included, written by commit e12c38f (the last
+before the step, the parallelism, the balancers and a run's saved state had one owner each:
+``tests/data/checkpoints_of_e12c38f/make.py`` wrote them).
 
-``tests/data/before_issue26/<recipe>_<balancer>.ckpt``: 2 epochs of multihead / weighted with a balancer that
-has parameters or state (uncertainty, dwa, gradnorm), written by the code before the change;
+``tests/data/checkpoints_naming_a_head_count/<recipe>_<balancer>.ckpt``: 2 epochs of multihead / weighted with a
+balancer that has parameters or state (uncertainty, dwa, gradnorm), written by the code before the change;
 ``....resumed_weights.pt``: that code's weights after resuming them to 3 epochs. Multihead then registered its
 balancer after the net (its optimizer state in that order) and named its head count in the checkpoint.
 """
@@ -26,7 +27,7 @@ from multiloss.recipes.weighted import WeightedMultiTask
 from multiloss import train
 from tests.conftest import QUIET, load_weights, run_cli
 
-DATA = Path(__file__).parent / "data" / "before_issue26"
+DATA = Path(__file__).parent / "data" / "checkpoints_naming_a_head_count"
 CASES = ["multihead_uncertainty", "weighted_uncertainty", "multihead_dwa", "weighted_gradnorm"]
 RUN = (
     "model.net.width=8",
@@ -67,8 +68,8 @@ def test_a_checkpoint_of_the_earlier_code_loads_for_inference(case):
     assert not differ
 
 
-BEFORE_34 = DATA.parent / "before_issue34"
-_spec = importlib.util.spec_from_file_location("make_before_issue34", BEFORE_34 / "make.py")
+E12C38F = DATA.parent / "checkpoints_of_e12c38f"
+_spec = importlib.util.spec_from_file_location("make_checkpoints_of_e12c38f", E12C38F / "make.py")
 MADE = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(MADE)
 RECIPES = {"multihead": MultiHead, "weighted": WeightedMultiTask, "accumulation": Accumulation, "tbptt": TruncatedBPTT}
@@ -77,7 +78,7 @@ ONE_PROCESS = [case for case in MADE.CASES if "fsdp" not in case]
 
 
 def _assert_resumed_to(got: dict, case: str) -> None:
-    expected = torch.load(BEFORE_34 / f"{case}.resumed_weights.pt", weights_only=True)
+    expected = torch.load(E12C38F / f"{case}.resumed_weights.pt", weights_only=True)
     assert got.keys() == expected.keys()
     tensors = [k for k, v in expected.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     worst = max((got[k].float() - expected[k].float()).abs().max().item() for k in tensors)
@@ -85,27 +86,27 @@ def _assert_resumed_to(got: dict, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ONE_PROCESS)
-def test_a_checkpoint_of_every_recipe_before_issue_34_resumes_to_its_weights(make_cfg, tmp_path, case):
+def test_a_checkpoint_of_every_recipe_of_e12c38f_resumes_to_its_weights(make_cfg, tmp_path, case):
     overrides = [o for o in (*MADE.QUIET, *MADE.CASES[case]) if o not in QUIET]  # (make_cfg adds QUIET)
-    cfg = make_cfg(*overrides, "trainer.max_epochs=3", f"ckpt_path={BEFORE_34 / f'{case}.ckpt'}")
+    cfg = make_cfg(*overrides, "trainer.max_epochs=3", f"ckpt_path={E12C38F / f'{case}.ckpt'}")
     train(cfg)
     _assert_resumed_to(torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["state_dict"], case)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_sharded_checkpoint_before_issue_34_resumes_sharded_to_its_weights(tmp_path):
+def test_a_sharded_checkpoint_of_e12c38f_resumes_sharded_to_its_weights(tmp_path):
     case = "weighted_uncertainty_fsdp"
     out = tmp_path / "run"
-    ckpt = f"ckpt_path={BEFORE_34 / f'{case}.ckpt'}"
+    ckpt = f"ckpt_path={E12C38F / f'{case}.ckpt'}"
     proc = run_cli(*MADE.QUIET, *MADE.CASES[case], "trainer.max_epochs=3", ckpt, f"hydra.run.dir={out}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_resumed_to(load_weights(out / "checkpoints/last.ckpt"), case)
 
 
 @pytest.mark.parametrize("case", list(MADE.CASES))
-def test_a_checkpoint_of_every_recipe_before_issue_34_loads_for_inference(case):
-    ckpt = BEFORE_34 / f"{case}.ckpt"  # the sharded run's directory too, read whole
+def test_a_checkpoint_of_every_recipe_of_e12c38f_loads_for_inference(case):
+    ckpt = E12C38F / f"{case}.ckpt"  # the sharded run's directory too, read whole
     module = RECIPES[case.split("_")[0]].load_from_checkpoint(ckpt, map_location="cpu", weights_only=True)
     saved = load_weights(ckpt)
     state = module.state_dict()

@@ -11,6 +11,7 @@ from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from multiloss import lightning_internals as internals
+from multiloss.callbacks.preemption import Preemption, agree, stop_run
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
 
@@ -18,37 +19,39 @@ from multiloss.lean_callback import LeanCallback
 class Checkpoint(ModelCheckpoint, LeanCallback):
     """`ModelCheckpoint` (all its arguments) whose ``last.ckpt`` is always the last step trained, resumable.
 
-    Two more arguments make ``last.ckpt`` a policy that always leaves something to resume from
-    (stock Lightning with ``save_top_k=0`` writes it only when training ends: a run killed after 2 of
-    15 epochs left nothing):
+        Two more arguments make ``last.ckpt`` a policy that always leaves something to resume from
+        (stock Lightning with ``save_top_k=0`` writes it only when training ends: a run killed after 2 of
+        15 epochs left nothing):
 
-    - ``save_last_every_epoch`` (default true): ``last.ckpt`` at a training epoch's end, once
-      ``epoch_save_seconds`` of training have passed since the last save (0, the default here: every
-      epoch's end; the shipped config's 60 s keeps a run of many short epochs from paying a save per
-      epoch, and still loses at most a minute and an epoch);
-    - ``last_every_minutes``: also mid-epoch, at the first step boundary after this many minutes of
-      training since the last save (all ranks agree on it: `multiloss.callbacks.Preemption`, which
-      also saves it on SIGTERM).
+        - ``save_last_every_epoch`` (default true): ``last.ckpt`` at a training epoch's end, once
+          ``epoch_save_seconds`` of training have passed since the last save (0, the default here: every
+          epoch's end; the shipped config's 60 s keeps a run of many short epochs from paying a save per
+          epoch, and still loses at most a minute and an epoch);
+        - ``last_every_minutes``: also mid-epoch, at the first step boundary after this many minutes of
+          training since the last save (all ranks agree on it, `multiloss.callbacks.preemption.agree`).
 
-    Each save replaces the file atomically (`multiloss.checkpoints.AtomicCheckpointIO`).
+    It decides when to save: at each step boundary, on its own clock and on what `multiloss.callbacks.Preemption`
+    asks (a signal: save this step, then the run stops).
 
-    Four holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
+        Each save replaces the file atomically (`multiloss.checkpoints.AtomicCheckpointIO`).
 
-    - A run stopped by ``max_steps`` *mid-epoch* is saved in ``on_train_end``, after the loop has
-      marked the epoch finished: a resume starts a new epoch and skips the rest of this one. Here it
-      is saved at the final batch's end, with the loader's position, like a periodic checkpoint.
-    - A run stopped by ``max_steps`` exactly *at an epoch's last batch*, saved at that batch, resumes
-      one epoch too far (Lightning's restart counts the finished epoch twice: a whole epoch of data
-      skipped). Here that step is saved at the epoch's end instead, a state Lightning resumes from
-      into the next epoch, and the data modules' sampler takes its epoch from the trainer
-      (`multiloss.data.arrays`). (With ``limit_train_batches`` the loader is left mid-pass at an
-      epoch's end and Lightning resumes it there: that case is still off.)
-    - A step saved at the end of a training batch that a validation follows (``val_check_interval``)
-      resumes after that validation without running it: a plateau schedule or early stopping that
-      acts on it acts one validation later. Here such a step (stopped by ``max_steps``, a signal or
-      ``last_every_minutes``) is saved when its validation ends.
-    - Training that ends after a periodic checkpoint (``max_epochs``, early stopping) keeps that one
-      as ``last.ckpt`` (step 20 of 23 with ``every_n_train_steps=10``). Here the final step is saved.
+        Four holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
+
+        - A run stopped by ``max_steps`` *mid-epoch* is saved in ``on_train_end``, after the loop has
+          marked the epoch finished: a resume starts a new epoch and skips the rest of this one. Here it
+          is saved at the final batch's end, with the loader's position, like a periodic checkpoint.
+        - A run stopped by ``max_steps`` exactly *at an epoch's last batch*, saved at that batch, resumes
+          one epoch too far (Lightning's restart counts the finished epoch twice: a whole epoch of data
+          skipped). Here that step is saved at the epoch's end instead, a state Lightning resumes from
+          into the next epoch, and the data modules' sampler takes its epoch from the trainer
+          (`multiloss.data.arrays`). (With ``limit_train_batches`` the loader is left mid-pass at an
+          epoch's end and Lightning resumes it there: that case is still off.)
+        - A step saved at the end of a training batch that a validation follows (``val_check_interval``)
+          resumes after that validation without running it: a plateau schedule or early stopping that
+          acts on it acts one validation later. Here such a step (stopped by ``max_steps``, a signal or
+          ``last_every_minutes``) is saved when its validation ends.
+        - Training that ends after a periodic checkpoint (``max_epochs``, early stopping) keeps that one
+          as ``last.ckpt`` (step 20 of 23 with ``every_n_train_steps=10``). Here the final step is saved.
     """
 
     def __init__(
@@ -66,7 +69,7 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
             isinstance(last_every_minutes, int | float) and last_every_minutes > 0
         ):
             raise ConfigError("last_every_minutes", last_every_minutes, "a number of minutes > 0, or null (off)")
-        self.preemption: Any = None  # multiloss.callbacks.Preemption, set when training starts
+        self.preemption: Preemption | None = None  # what a signal asks: found when training starts
         self.save_last_every_epoch, self.epoch_save_seconds = save_last_every_epoch, epoch_save_seconds
         self.last_every_minutes = last_every_minutes
         self._saved_at = time.monotonic()
@@ -86,10 +89,16 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
             and time.monotonic() - self._saved_at >= self.epoch_save_seconds
         )
 
+    @property
+    def saves_on_request(self) -> bool:
+        """Whether this callback saves what `Preemption` asks for (and stops the run after): it keeps ``last.ckpt``."""
+        return bool(self.save_last)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._saved_at = time.monotonic()  # the intervals count training, not setup
         self._seen_step = trainer.global_step
+        self.preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
 
     def save_last_now(self, trainer: L.Trainer) -> Path | None:
         """Save ``last.ckpt`` at this step (every rank together) unless it holds this step already; its path."""
@@ -126,17 +135,27 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
         epoch_ends = batch_idx + 1 >= trainer.num_training_batches
         if self.save_last and self._final_step(trainer) and not epoch_ends:
             internals.save_last(self, trainer)
-        if self.preemption is not None:
-            self.preemption.batch_end(trainer, batch_idx)  # after every other callback's hook: the whole step
+        if self.save_last and not epoch_ends:  # after every other callback's hook: the whole step
+            self._decide(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if self.save_last and self._final_step(trainer):
             internals.save_last(self, trainer)
-        if self.preemption is not None:
-            self.preemption.epoch_end(trainer)  # the ranks agree on a signal and on epoch_save_due, then save
-        elif self.save_last and self.epoch_save_due(trainer):
-            self.save_last_now(trainer)
+        if self.save_last:
+            self._decide(trainer, epoch_end=True)
+
+    def _decide(self, trainer: L.Trainer, epoch_end: bool = False) -> None:
+        """Save ``last.ckpt`` at this step boundary when any rank is asked to stop (a signal: then the run stops), its
+        time interval is due, or — at an epoch's end — the epoch-end save is due: one agreement of the ranks."""
+        asked = self.preemption.requests() if self.preemption is not None else (False, False)
+        epoch_due = epoch_end and self.epoch_save_due(trainer)
+        stop, requeue, due, epoch_due = agree(trainer, (*asked, self.interval_due(), epoch_due))
+        if not (stop or due or epoch_due):
+            return
+        saved = self.save_last_now(trainer)
+        if stop:
+            stop_run(trainer, self.preemption.signalled if self.preemption is not None else None, requeue, saved)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and trainer.global_step > 0 and not internals.saved_this_step(self, trainer):

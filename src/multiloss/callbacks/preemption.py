@@ -9,16 +9,17 @@ signalled, in the middle of whatever collective that rank was in.
 
 `Preemption` replaces both handlers while the run trains, and Python's Ctrl-C (SIGINT: stock Lightning
 exits 1 keeping only the last epoch-end save) with the same. A handler only notes the signal (a
-second Ctrl-C stops at once, unsaved, as Python's own would). At the
-end of a batch that took an optimizer step (never between the micro-batches of one step) the ranks
-agree — one ``all_reduce(MAX)`` of four flags under DDP, nothing at all in one process — on "a signal
-came", on "it was a requeue signal" (any rank's: the job is requeued), on "the checkpoint's time interval is
-due" and, at an epoch's end, on "an epoch-end save is due" (`multiloss.callbacks.Checkpoint`'s
-``last_every_minutes`` and ``epoch_save_seconds``, judged on every rank's clock, so no rank decides alone). Then
-every rank
-saves ``last.ckpt`` together, the state of that step with everything exact resume restores (the
-data position, RNG states, tbptt's carried state), and on a signal raises `RunPreempted`; the
-epoch's last batch is left to the epoch's end, where the checkpoint resumes into the next epoch.
+second Ctrl-C stops at once, unsaved, as Python's own would): it is a *request*, to save and stop.
+`multiloss.callbacks.Checkpoint` decides when to save, and asks this callback's `requests` at the end
+of a batch that took an optimizer step (never between the micro-batches of one step): the ranks agree
+(`agree`: one ``all_reduce(MAX)`` of four flags under DDP, nothing at all in one process) on "a signal
+came", on "it was a requeue signal" (any rank's: the job is requeued), on "the checkpoint's time
+interval is due" and, at an epoch's end, on "an epoch-end save is due", judged on every rank's clock,
+so no rank decides alone. Then every rank saves ``last.ckpt`` together, the state of that step with
+everything exact resume restores (the data position, RNG states, tbptt's carried state), and on a
+signal the run stops (`stop_run`: `RunPreempted`); the epoch's last batch is left to the epoch's end,
+where the checkpoint resumes into the next epoch. Without a checkpoint that saves (``callbacks=none``)
+this callback agrees on and stops the run by itself, unsaved.
 Under SLURM the requeue signals (SIGUSR1, the one Lightning and ``sbatch --signal`` use, and
 SIGUSR2, submitit's) also requeue the job from rank zero (``scontrol requeue``): the requeued job
 keeps its id, so its run dir, and resumes from that checkpoint by itself (`multiloss.resume`).
@@ -37,7 +38,6 @@ from typing import Any
 import lightning as L
 import torch
 
-from multiloss.callbacks.checkpoint import Checkpoint
 from multiloss.lean_callback import LeanCallback
 
 log = logging.getLogger("multiloss")
@@ -67,11 +67,12 @@ def under_slurm() -> bool:
 
 
 class Preemption(LeanCallback):
-    """Saves ``last.ckpt`` at a step boundary on SIGTERM or Ctrl-C (and SLURM's requeue signals), or when due.
+    """Notes SIGTERM, Ctrl-C (and SLURM's requeue signals) while the run trains: a request to save and stop.
 
-    The decision is taken by the `Checkpoint` that saves, at the end of its own hooks: Lightning runs
-    checkpoint callbacks after every other (the recipe's log rows included), so what is saved is
-    the whole step. Without one (``callbacks=none``) a signal still stops the run, from here.
+    The `multiloss.callbacks.Checkpoint` that saves ``last.ckpt`` asks `requests` at each step boundary, at the
+    end of its own hooks (Lightning runs checkpoint callbacks after every other, the recipe's log rows
+    included, so what is saved is the whole step), and stops the run. Without one (``callbacks=none``) a
+    signal still stops the run, from here.
     """
 
     def __init__(self) -> None:
@@ -79,7 +80,10 @@ class Preemption(LeanCallback):
         self._previous: dict[int, Any] = {}
         self._signalled_trainer: L.Trainer | None = None
         self._seen_step = 0
-        self._checkpoint: Checkpoint | None = None  # the one that saves, and decides at its own hooks' end
+
+    def requests(self) -> tuple[bool, bool]:
+        """What this process was asked, as flags for `agree`: stop (any signal), and requeue (a requeue signal)."""
+        return self.signalled is not None, self.signalled in REQUEUE_SIGNALS
 
     # --- the handlers: installed once Lightning has installed its own (it does right before the loop)
 
@@ -89,10 +93,9 @@ class Preemption(LeanCallback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
         self._seen_step = trainer.global_step
-        self._checkpoint = _last_checkpoint_callback(trainer)
-        if self._checkpoint is not None:
-            self._checkpoint.preemption = self
-            self.on_train_batch_end = None  # type: ignore[assignment]  # Lightning skips it; the checkpoint calls in
+        if any(getattr(c, "saves_on_request", False) for c in trainer.callbacks):
+            # The checkpoint that saves asks at its own hooks' end: Lightning skips a hook that is None.
+            self.on_train_batch_end = self.on_train_epoch_end = None  # type: ignore[assignment]
 
     def _install(self, trainer: L.Trainer) -> None:
         if self._previous or threading.current_thread() is not threading.main_thread():
@@ -124,60 +127,44 @@ class Preemption(LeanCallback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._uninstall()
 
-    # --- the decision, at step boundaries
+    # --- without a checkpoint that saves: the stop, at step boundaries, unsaved
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.batch_end(trainer, batch_idx)
+        stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
+        if stepped and batch_idx + 1 < trainer.num_training_batches:  # an epoch's last batch: its end decides
+            self._stop_if_asked(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._checkpoint is None:
-            self.epoch_end(trainer)
+        self._stop_if_asked(trainer)
 
-    def batch_end(self, trainer: L.Trainer, batch_idx: int) -> None:
-        stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
-        if not stepped or batch_idx + 1 >= trainer.num_training_batches:
-            return  # mid-step (micro-batches), or the epoch's last batch: its end decides
-        self._decide(trainer)
-
-    def epoch_end(self, trainer: L.Trainer) -> None:
-        self._decide(trainer, epoch_end=True)
-
-    def _decide(self, trainer: L.Trainer, epoch_end: bool = False) -> None:
-        checkpoint = self._checkpoint
-        flags = [
-            self.signalled is not None,
-            self.signalled in REQUEUE_SIGNALS,
-            checkpoint is not None and checkpoint.interval_due(),
-            epoch_end and checkpoint is not None and checkpoint.epoch_save_due(trainer),
-        ]
-        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            agreed = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            flags = [bool(v) for v in agreed.tolist()]
-        stop, requeue, due, epoch_due = flags
-        if not (stop or due or epoch_due):
-            return
-        saved = checkpoint.save_last_now(trainer) if checkpoint is not None else None
-        if not stop:
-            return
-        # The signal's kind is agreed too: a requeue signal any rank saw is the job's (rank zero requeues it), even
-        # where this rank saw a SIGTERM or nothing yet (SLURM signals each node's tasks on its own).
-        signum = self.signalled if self.signalled is not None else signal.SIGTERM  # another rank's signal
-        if requeue and signum not in REQUEUE_SIGNALS:
-            signum = signal.SIGUSR1
-        requeued = None
-        if under_slurm() and requeue and trainer.is_global_zero:
-            requeued = _requeue()
-        raise RunPreempted(signum, trainer.global_step, saved, requeued)
+    def _stop_if_asked(self, trainer: L.Trainer) -> None:
+        stop, requeue = agree(trainer, self.requests())
+        if stop:
+            stop_run(trainer, self.signalled, requeue, None)
 
 
-def _last_checkpoint_callback(trainer: L.Trainer) -> Checkpoint | None:
-    for callback in trainer.callbacks:
-        if isinstance(callback, Checkpoint) and callback.save_last:
-            return callback
-    return None
+def agree(trainer: L.Trainer, flags: tuple[bool, ...]) -> list[bool]:
+    """``flags`` as every rank agrees on them (any rank's True: one ``all_reduce(MAX)``; itself in one process)."""
+    if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        agreed = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        return [bool(v) for v in agreed.tolist()]
+    return list(flags)
+
+
+def stop_run(trainer: L.Trainer, signalled: int | None, requeue: bool, saved: Path | None) -> None:
+    """Stop the run on the signal the ranks agreed on (`RunPreempted`), rank zero requeueing a SLURM job first."""
+    # The signal's kind is agreed too: a requeue signal any rank saw is the job's (rank zero requeues it), even
+    # where this rank saw a SIGTERM or nothing yet (SLURM signals each node's tasks on its own).
+    signum = signalled if signalled is not None else signal.SIGTERM  # another rank's signal
+    if requeue and signum not in REQUEUE_SIGNALS:
+        signum = signal.SIGUSR1
+    requeued = None
+    if under_slurm() and requeue and trainer.is_global_zero:
+        requeued = _requeue()
+    raise RunPreempted(signum, trainer.global_step, saved, requeued)
 
 
 def _requeue() -> str:

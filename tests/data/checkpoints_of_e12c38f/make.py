@@ -1,6 +1,7 @@
 """Write the checkpoints of tests/test_checkpoint_compat.py's issue-34 cases with the code it runs from.
 
-Run from a checkout of the commit before issue 34 (e12c38f): ``python tests/data/before_issue34/make.py OUT``.
+Run from a checkout of commit e12c38f (the last before the step, parallelism, balancers and saved state
+had one owner each): ``python tests/data/checkpoints_of_e12c38f/make.py OUT``.
 Each case trains 2 epochs (``<case>.ckpt``: a file, or the sharded run's directory), resumes to 3 and keeps the
 weights it reached (``<case>.resumed_weights.pt``, consolidated from the shards for the sharded case).
 """
