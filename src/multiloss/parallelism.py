@@ -24,7 +24,7 @@ from multiloss import lightning_internals as internals
 from multiloss import sharding
 from multiloss.config import ConfigError
 
-_NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
+NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
 _ATTRIBUTE = "_multiloss_parallelism"  # where a strategy keeps the one Parallelism chosen for it
 
 
@@ -41,15 +41,17 @@ class Parallelism:
         """A block whose backward no rank reduces (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``)
         when ``active``: its gradients stay in ``.grad`` and the next synced backward reduces their sum."""
         if not active or self.strategy is None:
-            return _NOTHING
+            return NOTHING
         return internals.no_gradient_sync(self.strategy)
 
     def held_whole(self, stepping: bool, components: Sequence[str] | None = None) -> Any:
         """A block around the forward and backward(s) of ``components`` (None: every one held whole): under FSDP2 their
         gradients are handed over at its end, averaged into the shards when ``stepping``; nothing otherwise."""
+        if not self.held:  # one device, DDP, or nothing held whole: every step's case
+            return NOTHING
         held = list(self.held.values()) if components is None else [self.held[n] for n in components if n in self.held]
         if not held:
-            return _NOTHING
+            return NOTHING
         stack = contextlib.ExitStack()
         for component in held:
             stack.enter_context(component.step(stepping))

@@ -21,7 +21,6 @@ training batch (the GAN's generator) iterates ``step.micro_batches(k)``, each mi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
+from multiloss.parallelism import NOTHING
 
 
 class OptimizerStep:
@@ -52,24 +52,29 @@ class OptimizerStep:
         self.recipe, self.optimizer, self.stepping = recipe, optimizer, stepping
         self.components, self.toggle, self.batch_done = components, toggle, batch_done
         self.k = recipe.accumulate_grad_batches
-        self._stack = contextlib.ExitStack()
+        self.parallelism = recipe.parallelism
+        self._open: list[Any] = []  # the blocks entered, exited in reverse (a step's few: no ExitStack per step)
 
     def __enter__(self) -> OptimizerStep:
-        parallelism = self.recipe.parallelism
         # The no-sync block first, then the toggle, as Lightning's toggle_model nests them; the held-whole block
         # innermost: its hand-over at the exit sees the gradients of every backward inside.
-        self._stack.enter_context(parallelism.no_sync(active=not self.stepping))
+        self._enter(self.parallelism.no_sync(active=not self.stepping))
         if self.toggle:
             self.recipe.toggle_optimizer(self.optimizer)
-            self._stack.callback(self.recipe.untoggle_optimizer, self.optimizer)
-        self._stack.enter_context(parallelism.held_whole(self.stepping, self.components))
+            self._open.append(self)  # (its own __exit__ below: the untoggle)
+        self._enter(self.parallelism.held_whole(self.stepping, self.components))
         return self
+
+    def _enter(self, block: Any) -> None:
+        if block is not NOTHING:
+            block.__enter__()
+            self._open.append(block)
 
     def micro_batches(self, n: int) -> Iterator[int]:
         """``n`` micro-batches of this step inside one training batch (the GAN's generator): only the last one's forward
         and backward sync (on a block that steps), the others accumulate unsynced."""
         for i in range(n):
-            with self.recipe.parallelism.no_sync(active=i < n - 1):
+            with self.parallelism.no_sync(active=i < n - 1):
                 yield i
 
     def backward(
@@ -81,11 +86,20 @@ class OptimizerStep:
         if not scaled and self.k > 1:
             loss = loss / self.k
         kwargs = {} if gradient is None else {"gradient": gradient}
-        with self.recipe.parallelism.no_sync(active=not sync):
+        if sync:
+            self.recipe.manual_backward(loss, **kwargs)
+            return
+        with self.parallelism.no_sync():
             self.recipe.manual_backward(loss, **kwargs)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        self._stack.__exit__(exc_type, exc, tb)  # the held-whole hand-over, the toggle undone, the sync restored
+        # The held-whole hand-over, the toggle undone, the sync restored: innermost first.
+        while self._open:
+            block = self._open.pop()
+            if block is self:
+                self.recipe.untoggle_optimizer(self.optimizer)
+            else:
+                block.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return False
         if self.stepping:
