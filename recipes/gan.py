@@ -418,7 +418,8 @@ class GAN(Recipe):
 
         # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
         # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
-        with self.step_of(opt_g, stepping=g_steps, components=("generator",), toggle=True) as g_step:
+        # (A batch without G's step only advances G's epoch schedule: nothing to toggle.)
+        with self.step_of(opt_g, stepping=g_steps, components=("generator",), toggle=g_steps) as g_step:
             g_losses = []
             for micro in g_step.micro_batches(self.accumulate_grad_batches if g_steps else 0):
                 g_loss = self.generator_loss(kept if kept is not None else self.generator_output(micro, len(real)))

@@ -19,7 +19,8 @@ import torch
 from multiloss import ConfigError, testing, train
 from multiloss.checkpoints import AtomicCheckpointIO, CheckpointWriteError
 from multiloss.run_dir import LOCK
-from tests.conftest import BARE, QUIET
+from multiloss.saved_state import SAVED_KEYS
+from tests.conftest import BARE, QUIET, SMALL_GAN, load_checkpoint, train_here
 
 SMALL = ("recipe=multihead", "model.net.width=16", "trainer.accelerator=cpu", "trainer.limit_val_batches=0")
 
@@ -195,3 +196,36 @@ def test_a_full_disk_is_one_message_and_leaves_no_partial_file(tmp_path):
         assert list(target.parent.iterdir()) == []
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# What Lightning itself writes into a checkpoint (its checkpoint connector's dump_checkpoint).
+LIGHTNING_KEYS = {
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "state_dict",
+    "loops",
+    "callbacks",
+    "optimizer_states",
+    "lr_schedulers",
+    "hparams_name",
+    "hyper_parameters",
+    "datamodule_hyper_parameters",
+    "hparams_type",
+    "MixedPrecision",
+}
+
+
+@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "tbptt", "accumulation"])
+def test_every_key_a_checkpoint_holds_is_lightnings_or_declared_with_its_owner(tmp_path, recipe):
+    small = {
+        "gan": (*SMALL_GAN, "model.n_plot_samples=0"),
+        "tbptt": ("model.net.hidden_size=16", "data.seq_len=32", "model.sample_length=5", "data.layout=streams"),
+    }
+    out = train_here(
+        tmp_path / "run", f"recipe={recipe}", *small.get(recipe, ()), *QUIET, "trainer=cpu", "trainer.max_steps=2"
+    )
+    keys = set(load_checkpoint(out / "checkpoints/last.ckpt"))
+    declared = {key.name for key in SAVED_KEYS}
+    assert keys - LIGHTNING_KEYS <= declared, f"undeclared in multiloss.saved_state: {keys - LIGHTNING_KEYS - declared}"
+    assert keys & declared, "multiloss's own keys are in the checkpoint"

@@ -99,6 +99,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         self.compile_components = bool(compile)
         self.fsdp = sharding.fsdp_options(fsdp)  # model.fsdp: shard, checkpoint (activation recomputation)
         self._components_checked = False
+        self._parallelism: Parallelism | None = None  # the running Trainer's, from setup to teardown
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name around every hook it calls, ~45 times per training step;
@@ -135,6 +136,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         sharding.check_policy(self, self.components, self.fsdp["shard"], recompute=self.fsdp["checkpoint"])
 
     def setup(self, stage: str) -> None:
+        self._parallelism = parallelism_of(self.trainer)  # looked up once a run, read by every step
         if stage == "fit" and self.accumulates_batches:
             # Lightning's loop then counts optimizer steps as this recipe takes them: its logging step,
             # its log rows and estimated_stepping_batches (Lightning's own GradientAccumulationScheduler
@@ -145,6 +147,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
             self.run_component_check(batch)  # before any step or write; else the first batch met (on_*_batch_start)
 
     def teardown(self, stage: str) -> None:
+        self._parallelism = None
         if stage == "fit" and self.attached_trainer is not None:
             self.trainer.accumulate_grad_batches = 1  # a Trainer fitted again passes check_trainer again
 
@@ -159,7 +162,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
     @property
     def parallelism(self) -> Parallelism:
         """How the ranks share the work (one device, DDP, FSDP2): the one answer to "sharded?"."""
-        return parallelism_of(self.attached_trainer)
+        return self._parallelism if self._parallelism is not None else parallelism_of(self.attached_trainer)
 
     def configure_model(self) -> None:
         # Lightning's hook for building or wrapping the model once per fit, before the first step.
@@ -185,7 +188,8 @@ class Recipe(RecipeOptimizers, RecipeLogging):
     # --- the step's tools, in the order a step uses them ----------------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._check_components_once(batch)
+        if not self._components_checked:
+            self.run_component_check(batch)
         if internals.writes_log_row(self.trainer):  # the rates this batch trains at, on its log row
             self.log_learning_rates()
 

@@ -58,17 +58,16 @@ class OptimizerStep:
     def __enter__(self) -> OptimizerStep:
         # The no-sync block first, then the toggle, as Lightning's toggle_model nests them; the held-whole block
         # innermost: its hand-over at the exit sees the gradients of every backward inside.
-        self._enter(self.parallelism.no_sync(active=not self.stepping))
+        if (block := self.parallelism.no_sync(active=not self.stepping)) is not NOTHING:
+            block.__enter__()
+            self._open.append(block)
         if self.toggle:
             self.recipe.toggle_optimizer(self.optimizer)
             self._open.append(self)  # (its own __exit__ below: the untoggle)
-        self._enter(self.parallelism.held_whole(self.stepping, self.components))
-        return self
-
-    def _enter(self, block: Any) -> None:
-        if block is not NOTHING:
+        if (block := self.parallelism.held_whole(self.stepping, self.components)) is not NOTHING:
             block.__enter__()
             self._open.append(block)
+        return self
 
     def micro_batches(self, n: int) -> Iterator[int]:
         """``n`` micro-batches of this step inside one training batch (the GAN's generator): only the last one's forward
@@ -94,7 +93,7 @@ class OptimizerStep:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         # The held-whole hand-over, the toggle undone, the sync restored: innermost first.
-        while self._open:
+        while self._open:  # (none at all on one device, or on a micro-batch that steps under DDP)
             block = self._open.pop()
             if block is self:
                 self.recipe.untoggle_optimizer(self.optimizer)
