@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import os
 import re
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.strategies.launchers import subprocess_script as fabric_subprocess_script
 from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.fabric.utilities import seed as fabric_seed
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -210,6 +213,33 @@ class ScriptLauncher(subprocess_script._SubprocessScriptLauncher):
     def before_launch(self) -> None:
         """Called in the launching process right before the children start."""
 
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # Lightning's observer of the children (``_launch_process_observer``) SIGKILLs this process within 5 s of a
+        # child's failure, even while this process is reporting the same error or ending by itself: the run's
+        # message lost, exit -9. Its patient form gives this process a grace period first.
+        original = subprocess_script._launch_process_observer
+        subprocess_script._launch_process_observer = _launch_patient_observer
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            subprocess_script._launch_process_observer = original
+
+
+class _PatientObserver(fabric_subprocess_script._ChildProcessObserver):
+    """Lightning's observer, which after a child failed waits `GRACE_S` before killing this process and the other
+    children: a process that ends by itself in that time (it reports the error every rank met, or the stall it
+    detected) ends as it chose, its thread (a daemon) with it; one stuck in a collective is still killed."""
+
+    GRACE_S = 15.0
+
+    def _terminate_all(self) -> None:
+        time.sleep(self.GRACE_S)
+        super()._terminate_all()
+
+
+def _launch_patient_observer(child_processes: list[Any]) -> None:
+    _PatientObserver(child_processes=child_processes, main_pid=os.getpid()).start()
+
 
 def use_launcher(strategy: DDPStrategy, launcher_class: type[ScriptLauncher]) -> None:
     """Give ``strategy`` a ``launcher_class`` where Lightning gave it its stock script launcher."""
@@ -334,6 +364,8 @@ READS = (
     "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy()._tensor_parallel_size",
     "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
     "lightning.pytorch.strategies.launchers.subprocess_script:_hydra_subprocess_cmd",
+    "lightning.pytorch.strategies.launchers.subprocess_script:_launch_process_observer",
+    "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver._terminate_all",
     "torch.distributed.distributed_c10d:_get_default_store",
     "torch.amp.grad_scaler:GradScaler()._per_optimizer_states",
     "torch.amp.grad_scaler:GradScaler()._init_scale",
