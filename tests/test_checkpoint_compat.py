@@ -72,8 +72,13 @@ E12C38F = DATA.parent / "checkpoints_of_e12c38f"
 _spec = importlib.util.spec_from_file_location("make_checkpoints_of_e12c38f", E12C38F / "make.py")
 MADE = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(MADE)
-RECIPES = {"multihead": MultiHead, "weighted": WeightedMultiTask, "accumulation": Accumulation, "tbptt": TruncatedBPTT}
-RECIPES["gan"] = GAN
+RECIPES = {
+    "multihead": MultiHead,
+    "weighted": WeightedMultiTask,
+    "accumulation": Accumulation,
+    "tbptt": TruncatedBPTT,
+    "gan": GAN,
+}
 ONE_PROCESS = [case for case in MADE.CASES if "fsdp" not in case]
 
 

@@ -19,8 +19,7 @@ from torch import nn
 
 from multiloss.balancers import Balanced, Balancer, balance
 from multiloss.balancers.build import build_balancer, check_sharded_balancer, rule_on_each_rank
-from multiloss.balancers.protocol import save_balancer_state
-from multiloss.balancers.task_gradients import select_parameters
+from multiloss.balancers.protocol import save_balancer_state, shared_parameters
 from multiloss.components import to_plain
 from multiloss.module import Recipe
 from multiloss.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY
@@ -70,10 +69,8 @@ class MultiTaskRecipe(Recipe):
 
     @property
     def shared_parameters(self) -> list[nn.Parameter] | None:
-        """The net's parameters a balancer's ``shared`` key names, as the net holds them now (sharded, or whole
-        during a step under FSDP2), or None (found: those more than one task reaches)."""
-        names = None if self.balancer is None else self.balancer.shared
-        return None if names is None else select_parameters(self.net, names)
+        """The net's parameters the balancer's ``shared`` key names, or None (`multiloss.balancers.protocol`)."""
+        return None if self.balancer is None else shared_parameters(self.balancer, self.net)
 
     def set_tasks(self, names: list[str], key: str = "model.balancer") -> None:
         """Build the balancer for the tasks ``names``, once (`multiloss.balancers.build.build_balancer`).

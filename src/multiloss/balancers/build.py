@@ -45,6 +45,11 @@ def combines_gradients(spec: dict[str, Any] | None) -> bool:
     return target is not None and getattr(get_object(_where_now(target)), "combines_gradients", False)
 
 
+def _scope(spec: Any) -> str:
+    """A gradient rule's ``scope`` (``rank`` unless set), from its config or the balancer given as an object."""
+    return spec.get("scope", "rank") if isinstance(spec, dict) else getattr(spec, "scope", "rank")
+
+
 def _target(spec: Any) -> str | None:
     return spec.get("_target_") if isinstance(spec, dict) else None
 
@@ -52,13 +57,12 @@ def _target(spec: Any) -> str | None:
 def rule_on_each_rank(spec: dict[str, Any] | None) -> bool:
     """Whether a gradient rule differentiates each rank's whole net per task (``scope=rank``): under FSDP2 the net is
     then held whole for its step. ``scope=global`` runs the rule on the shards instead."""
-    scope = spec.get("scope", "rank") if isinstance(spec, dict) else getattr(spec, "scope", "rank")
-    return combines_gradients(spec) and scope == "rank"
+    return combines_gradients(spec) and _scope(spec) == "rank"
 
 
 def check_sharded_balancer(spec: dict[str, Any] | None, accumulate_grad_batches: int) -> None:
     """Refuse what a gradient rule on the shards (``scope=global`` under FSDP2) cannot compute."""
-    scope = spec.get("scope") if isinstance(spec, dict) else getattr(spec, "scope", None)
+    scope = _scope(spec)
     if not (combines_gradients(spec) and scope == "global"):
         return
     require(

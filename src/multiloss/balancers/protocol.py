@@ -126,6 +126,12 @@ class GramianRule:
     extra: torch.Tensor | None = None
 
 
+def shared_parameters(balancer: Balancer, net: nn.Module) -> list[nn.Parameter] | None:
+    """The parameters of ``net`` that ``balancer``'s ``shared`` key names, as the net holds them now (sharded, or whole
+    during a step under FSDP2), or None (found: those more than one task reaches)."""
+    return None if balancer.shared is None else select_parameters(net, balancer.shared)
+
+
 def balance(
     balancer: Balancer,
     losses: Mapping[str, torch.Tensor],
@@ -149,7 +155,7 @@ def balance(
     balanced = Balanced(stacked, weights, extra, None, total if extra is None else total + extra)
     if not balancer.combines_gradients:
         return balanced
-    shared = None if balancer.shared is None else select_parameters(net, balancer.shared)  # as the net holds them now
+    shared = shared_parameters(balancer, net)
     if parallelism.sharded and "net" not in parallelism.held:  # the rule on the shards
         apply_sharded_rule(net, balancer, list(losses.values()), backward, sum_over_ranks, shared)
         balanced.backwarded = True
