@@ -149,6 +149,7 @@ class MultiHead(MultiTaskRecipe):
             # (PCGrad & co.: a scalar whose gradient is their combination of the heads' gradients.)
             balanced.backward(step, as_sum=True)
             self.log_losses({**per_head, "total": balanced.total.detach()}, batch_size=len(batch["y"]))
+        self.after_step(step, lambda: self.head_losses(batch))  # FAMO: the same batch's losses after the step
 
     # --- validation ---------------------------------------------------------------------------------------
 

@@ -192,6 +192,7 @@ class WeightedMultiTask(MultiTaskRecipe):
             # balancer's own term rides along with weight 1; PCGrad & co. backward their combination's surrogate.)
             balanced.backward(step)
             self.log_losses({**per_task, "total": balanced.total.detach()}, batch_size=len(batch["x"]))
+        self.after_step(step, lambda: self.outputs_and_losses(batch)[1])  # FAMO: the same batch's losses after the step
 
     def backward(self, loss: torch.Tensor, *args: Any, gradient: torch.Tensor | None = None, **kwargs: Any) -> None:
         """The backward Lightning calls (``manual_backward``): a vector of task losses takes one pass seeded with

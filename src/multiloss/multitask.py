@@ -11,6 +11,7 @@ backwards the result with ``balanced.backward(step)``, whatever the balancer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import lightning as L
@@ -101,6 +102,13 @@ class MultiTaskRecipe(Recipe):
         if balancer.adaptive:
             self.log_train_values(tuple(f"weight/{name}" for name in losses), balanced.weights)
         return balanced
+
+    def after_step(self, step: Any, recompute: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """After ``step``'s block: a balancer that learns from the losses after the step (FAMO) gets them, recomputed
+        on the same batch by ``recompute`` without a graph (one more forward, on the steps only)."""
+        if step.stepping and self.balancer is not None and self.balancer.after_step_update:
+            with torch.no_grad():
+                self.balancer.after_step(torch.stack(list(recompute().values())))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.balancer is not None:

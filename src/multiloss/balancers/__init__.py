@@ -8,11 +8,23 @@ weight of 0 keeps a task off whatever the balancer. Its parameters are in the re
 its state in the checkpoint: a resumed run continues exactly.
 """
 
-from multiloss.balancers.gradients import GradNorm, JacobianDescent, PCGrad, pcgrad, pcgrad_coefficients
+from multiloss.balancers.gradients import (
+    IMTL,
+    GradNorm,
+    JacobianDescent,
+    PCGrad,
+    StatefulJacobianDescent,
+    pcgrad,
+    pcgrad_coefficients,
+)
+from multiloss.balancers.moving_average import DBMTL, MoCo
 from multiloss.balancers.protocol import Balanced, Balancer, GradientBalancer, GramianRule, balance
+from multiloss.balancers.scalarized import LogSum, Scalarized
 from multiloss.balancers.weighting import DynamicWeightAverage, Fixed, Uncertainty, dwa_weights
 
 __all__ = [
+    "DBMTL",
+    "IMTL",
     "Balanced",
     "Balancer",
     "DynamicWeightAverage",
@@ -21,7 +33,11 @@ __all__ = [
     "GradientBalancer",
     "GramianRule",
     "JacobianDescent",
+    "LogSum",
+    "MoCo",
     "PCGrad",
+    "Scalarized",
+    "StatefulJacobianDescent",
     "Uncertainty",
     "balance",
     "dwa_weights",

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 
 from multiloss.balancers.protocol import GradientBalancer, GramianRule
 from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
+from multiloss.balancers.torchjd_state import has_state, load_state, state_of
 from multiloss.config import require
 
 
@@ -126,7 +128,22 @@ class JacobianDescent(GradientBalancer):
     ) -> None:
         super().__init__(tasks, base, shared, net, scope)
         require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
-        self.aggregator = aggregator
+        if isinstance(aggregator, functools.partial):  # ``_partial_: true``: one that is told the number of tasks
+            aggregator = aggregator(n_tasks=len(self.tasks))
+        # Not a submodule: its state (a stateful one's) is this balancer's extra state, kept per rank; as a
+        # submodule DDP would broadcast rank zero's buffers over every rank's own at each forward.
+        object.__setattr__(self, "aggregator", aggregator)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> JacobianDescent:
+        aggregator = kwargs.get("aggregator", args[2] if len(args) > 2 else None)
+        if cls is JacobianDescent and isinstance(aggregator, nn.Module) and has_state(aggregator):
+            cls = StatefulJacobianDescent  # its state in the checkpoint (extra state: a class-level hook of torch's)
+        return super().__new__(cls)
+
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> JacobianDescent:
+        if isinstance(self.aggregator, nn.Module):
+            self.aggregator._apply(fn, *args, **kwargs)
+        return super()._apply(fn, *args, **kwargs)
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         return self.base
@@ -144,6 +161,54 @@ class JacobianDescent(GradientBalancer):
         from hydra.utils import instantiate
 
         _gramian_weighting(instantiate(spec["aggregator"]))
+
+
+class IMTL(JacobianDescent):
+    """IMTL (Liu et al. 2021, "Towards Impartial Multi-task Learning"), both halves, as LibMTL's ``IMTL.backward``:
+    IMTL-L's learned scales sᵢ on the losses, e^sᵢ·cᵢLᵢ - sᵢ, and IMTL-G's weights of those losses' gradients (the
+    update whose projections on every task's unit gradient are equal; torchjd's ``IMTLG``). Each head gets its own
+    scaled loss's gradient; sᵢ its gradient e^sᵢ·cᵢLᵢ - 1, through the recipe's optimizer (in the checkpoint)."""
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        shared: Sequence[str] | None = None,
+        net: nn.Module | None = None,
+        scope: str = "rank",
+    ) -> None:
+        from torchjd.aggregation import IMTLG
+
+        super().__init__(tasks, base, IMTLG(), shared, net, scope)
+        self.log_scale = nn.Parameter(torch.zeros(len(self.tasks)))
+
+    def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        scales = torch.exp(self.log_scale.detach())
+        return [(s * c).to(loss.dtype) * loss for s, c, loss in zip(scales, self.base, losses)]
+
+    def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        return super().combine(grads, losses) + self._scale_term(losses)
+
+    def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        rule = super().gramian_rule(gramian, losses)
+        return GramianRule(rule.shared, rule.own, self._scale_term(losses))
+
+    def _scale_term(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Σ e^sᵢ·cᵢLᵢ - sᵢ with the losses held constant: its backward is the scales' gradient."""
+        values = torch.stack([loss.detach().float() for loss in losses]) * self.base
+        return (torch.exp(self.log_scale) * values - self.log_scale).sum()
+
+
+class StatefulJacobianDescent(JacobianDescent):
+    """`JacobianDescent` with a stateful torchjd aggregator (GradVac's cosine EMA, NashMTL's last weights, ExcessMTL's
+    gradient sums): that state in the checkpoint (`multiloss.balancers.torchjd_state`), so a resumed run goes on as
+    the straight one. Chosen by `JacobianDescent` itself for such an aggregator."""
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return state_of(self.aggregator)
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        load_state(self.aggregator, state)
 
 
 def _gramian_weighting(aggregator: Any) -> Callable[[torch.Tensor], torch.Tensor]:

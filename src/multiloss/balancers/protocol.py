@@ -33,6 +33,7 @@ class Balancer(nn.Module):
     adaptive = True  # its weights change: the recipe logs them as weight/<task>
     combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
     shared: list[str] | None = None  # the names of the layers its rule works on (None: found)
+    after_step_update = False  # True: it learns from the step's losses recomputed after the step (`after_step`)
 
     def __init__(self, tasks: Sequence[str], base: Sequence[float]) -> None:
         super().__init__()
@@ -61,6 +62,10 @@ class Balancer(nn.Module):
         found). The recipe backwards the result as its one loss.
         """
         raise NotImplementedError
+
+    def after_step(self, losses: torch.Tensor) -> None:
+        """Called after an optimizer step (on every rank) with the step's last micro-batch's task losses recomputed by
+        the stepped net (``after_step_update`` balancers: FAMO)."""
 
     def start_epoch(self, epoch: int, reduce: Reduce) -> None:
         """Called before each training batch with the epoch it belongs to; ``reduce`` averages over the ranks.
@@ -218,12 +223,16 @@ class GradientBalancer(Balancer):
         Outside autocast: the step's forward runs under mixed precision, but the rule's own arithmetic
         (projections, norms, a QP's Gramian) is done in the gradients' precision, as a backward would.
         """
-        weighted = [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
+        weighted = self.rule_losses(losses)
         with torch.autocast(weighted[0].device.type, enabled=False):
             grads = task_gradients(weighted, params, shared if shared is not None else self._shared_built)
             if self.scope == "global" and self._mean_over_ranks is not None:
                 grads = grads.averaged(self._mean_over_ranks)  # the global batch's: every rank then agrees
             return self.combine(grads, losses)
+
+    def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The losses whose gradients the rule combines: cᵢ·Lᵢ (IMTL: its learned scales too)."""
+        return [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         """The surrogate loss (`task_gradients.gradient_surrogate`) of this step's tasks' gradients."""

@@ -33,7 +33,7 @@ def apply_sharded_rule(
     params = list(net.named_parameters())  # DTensors: the net is sharded between steps
     kept = {name: p.grad for name, p in params}
     per_task: list[dict[str, torch.Tensor | None]] = []
-    weighted = [c.to(loss.dtype) * loss for c, loss in zip(balancer.base, losses)]
+    weighted = balancer.rule_losses(losses)
     for i, loss in enumerate(weighted):
         for _, p in params:
             p.grad = None

@@ -1,0 +1,116 @@
+"""Scalarizations of the task losses: the step's gradient is that of one scalar S(c₁L₁, …, c_K·L_K) of them.
+
+`Scalarized` takes any torchjd scalarizer (``torchjd.scalarization``: GeometricMean (GLS), Random (RLW), STCH,
+IMTLL (IMTL-L), FAMO, UW, ...) and hands the recipe its weights wᵢ = cᵢ·∂S/∂(cᵢLᵢ), taken at the detached losses:
+by the chain rule one backward of Σ wᵢ·Lᵢ is ∇S — the reference loop's ``S(losses).backward()`` — while the recipe
+keeps its one backward seeded with the weights (``grad_tensors``), its logging of the weights, and its
+accumulation and sync. A scalarizer's own parameters (IMTL-L's scales) are trained by the recipe's optimizer
+through the balancer's own term; FAMO's logits by its own Adam, after the step, from the same batch's losses
+recomputed (`Balancer.after_step`). `LogSum` is DB-MTL's loss part, Σ log(cᵢLᵢ + ε).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from multiloss.balancers.protocol import Balancer, Reduce
+from multiloss.balancers.torchjd_state import load_state, state_of
+from multiloss.config import require
+
+
+class Scalarized(Balancer):
+    """A torchjd scalarizer S of the tasks' losses cᵢ·Lᵢ (``scalarizer``: its config, ``_target_:
+    torchjd.scalarization.GeometricMean``; one that takes a ``shape`` is given the number of tasks).
+
+    The step's gradient is ∇S, through the weights wᵢ = cᵢ·∂S/∂(cᵢLᵢ) at this step's losses (logged as
+    ``weight/<task>``). A scalarizer that learns with the net (IMTL-L's, UW's scales) is a submodule: its parameters
+    are in the recipe's optimizer and checkpoint, their gradient the backward of S with the losses held constant.
+    One that updates itself after the step (FAMO: ``update`` with the same batch's losses recomputed) is not: its
+    logits and its own optimizer are this balancer's extra state; on several ranks it sees the losses averaged over
+    the ranks (the global batch's), so every rank keeps the same logits.
+    """
+
+    def __init__(self, tasks: Sequence[str], base: Sequence[float], scalarizer: Any) -> None:
+        super().__init__(tasks, base)
+        if isinstance(scalarizer, functools.partial):  # ``_partial_: true``: told the number of tasks
+            takes_shape = "shape" in inspect.signature(scalarizer.func).parameters
+            scalarizer = scalarizer(shape=len(self.tasks)) if takes_shape else scalarizer()
+        require(
+            isinstance(scalarizer, nn.Module) and callable(scalarizer),
+            "scalarizer",
+            scalarizer,
+            "a torchjd scalarizer (a module mapping the vector of task losses to one scalar), "
+            "e.g. torchjd.scalarization.GeometricMean",
+        )
+        self.after_step_update = callable(getattr(scalarizer, "update", None))
+        if self.after_step_update:  # outside the module tree: DDP must not see its logits as the net's parameters
+            object.__setattr__(self, "scalarizer", scalarizer)
+        else:
+            self.scalarizer = scalarizer
+        self._own_term: torch.Tensor | None = None
+        self._mean_over_ranks: Reduce | None = None
+
+    def start_epoch(self, epoch: int, reduce: Reduce) -> None:
+        self._mean_over_ranks = reduce
+
+    def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        if self.after_step_update:
+            self.scalarizer.to(losses.device)  # not moved with the recipe: not a submodule
+        scaled = (self.base * losses.detach().to(self.base.dtype)).requires_grad_(True)
+        learns = any(p.requires_grad for p in self.scalarizer.parameters()) and not self.after_step_update
+        with torch.enable_grad():
+            value = self.scalarizer(scaled)
+            (slope,) = torch.autograd.grad(value, scaled, retain_graph=learns)
+        # S with the losses held constant: its backward trains the scalarizer's own parameters.
+        self._own_term = value if learns else None
+        return self.base * slope
+
+    def extra(self, losses: torch.Tensor) -> torch.Tensor | None:
+        term, self._own_term = self._own_term, None
+        return term
+
+    def after_step(self, losses: torch.Tensor) -> None:
+        """FAMO's update from this step's losses ``losses`` recomputed on the same batch after the step (averaged over
+        the ranks, as the losses it saw before the step: the global batch's)."""
+        if not self.after_step_update:
+            return
+        before = self.scalarizer._prev_losses
+        after = (self.base * losses.detach().to(self.base.dtype)).to(before.device)
+        if self._mean_over_ranks is not None:
+            before, after = self._mean_over_ranks(torch.stack([before, after])).unbind()
+        self.scalarizer._prev_losses = before
+        self.scalarizer.update(after)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return state_of(self.scalarizer) if self.after_step_update else {}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if self.after_step_update:
+            load_state(self.scalarizer, state)
+
+
+class LogSum(nn.Module):
+    """DB-MTL's loss part (Lin et al. 2023, "Dual-Balancing for Multi-Task Learning", eq. 3): Σᵢ log(ℓᵢ + ε), whose
+    gradient weighs each task by 1/(ℓᵢ + ε) — scale-free in each task's loss. A scalarizer for `Scalarized`."""
+
+    def __init__(self, eps: float = 1e-8) -> None:
+        super().__init__()
+        require(eps > 0, "eps", eps, "a positive number (LibMTL's 1e-8)")
+        self.eps = float(eps)
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.log(values + self.eps).sum()
+
+
+def scalarizer_weights(scalarizer: Callable[[torch.Tensor], torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
+    """∂S/∂ℓ at ``losses`` (detached): the weights whose weighted sum of the losses has S's gradient."""
+    scaled = losses.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (slope,) = torch.autograd.grad(scalarizer(scaled), scaled)
+    return slope
