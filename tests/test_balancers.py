@@ -118,6 +118,13 @@ def test_dwa_in_the_recipe_follows_the_logged_epoch_means(make_cfg, tmp_path):
         ("weighted", "gradnorm"),
         ("multihead", "dwa"),
         ("multihead", "pcgrad"),
+        # The stateful methods of torchjd and LibMTL (their state: multiloss.balancers.torchjd_state, moving_average).
+        ("weighted", "famo"),
+        ("weighted", "gradvac"),
+        ("weighted", "nash_mtl"),
+        ("weighted", "excess_mtl"),
+        ("multihead", "moco"),
+        ("multihead", "db_mtl"),
     ],
 )
 def test_a_resumed_run_continues_the_balancer_exactly(make_cfg, tmp_path, recipe, balancer):

@@ -136,7 +136,7 @@ class JacobianDescent(GradientBalancer):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> JacobianDescent:
         aggregator = kwargs.get("aggregator", args[2] if len(args) > 2 else None)
-        if cls is JacobianDescent and isinstance(aggregator, nn.Module) and has_state(aggregator):
+        if cls is JacobianDescent and has_state(aggregator):
             cls = StatefulJacobianDescent  # its state in the checkpoint (extra state: a class-level hook of torch's)
         return super().__new__(cls)
 

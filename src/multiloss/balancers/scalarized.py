@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,7 +62,12 @@ class Scalarized(Balancer):
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         if self.after_step_update:
             self.scalarizer.to(losses.device)  # not moved with the recipe: not a submodule
-        scaled = (self.base * losses.detach().to(self.base.dtype)).requires_grad_(True)
+        scaled = self.base * losses.detach().to(self.base.dtype)
+        if self._mean_over_ranks is not None:
+            # The global batch's losses: every rank then weighs alike, and DDP's average of Σ wᵢ·∇Lᵢ is ∇S of the
+            # global batch (2 ranks × b = 1 rank × 2b). One all-reduce of K numbers a step.
+            scaled = self._mean_over_ranks(scaled)
+        scaled = scaled.requires_grad_(True)
         learns = any(p.requires_grad for p in self.scalarizer.parameters()) and not self.after_step_update
         with torch.enable_grad():
             value = self.scalarizer(scaled)
@@ -106,11 +111,3 @@ class LogSum(nn.Module):
 
     def forward(self, values: torch.Tensor) -> torch.Tensor:
         return torch.log(values + self.eps).sum()
-
-
-def scalarizer_weights(scalarizer: Callable[[torch.Tensor], torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
-    """∂S/∂ℓ at ``losses`` (detached): the weights whose weighted sum of the losses has S's gradient."""
-    scaled = losses.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (slope,) = torch.autograd.grad(scalarizer(scaled), scaled)
-    return slope

@@ -10,6 +10,7 @@ its parameters' values do not).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,14 @@ def _stateful(module: nn.Module) -> bool:
     return isinstance(module, Stateful)
 
 
-def has_state(module: nn.Module) -> bool:
-    """Whether ``module`` (a torchjd aggregator or scalarizer) holds state between calls."""
-    return any(_stateful(m) for m in module.modules())
+def has_state(aggregator: Any) -> bool:
+    """Whether ``aggregator`` (a torchjd aggregator or scalarizer, or a ``functools.partial`` of one's class) holds
+    state between calls."""
+    if isinstance(aggregator, functools.partial):
+        from torchjd._mixins import Stateful
+
+        return isinstance(aggregator.func, type) and issubclass(aggregator.func, Stateful)
+    return isinstance(aggregator, nn.Module) and any(_stateful(m) for m in aggregator.modules())
 
 
 def state_of(module: nn.Module) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,334 @@
+"""Every balancer method equals its reference: the net after 20 steps on fixed inputs, ≤ 1e-6 (float64).
+
+Our side runs the balancer protocol as the recipes do (`multiloss.balancers.balance`, then ``Balanced.backward``
+through a step that backwards, and FAMO's after-step update); the reference is the plain loop its authors' code
+writes: torchjd called directly where torchjd is the reference (``S(losses).backward()`` for a scalarizer,
+``mtl_backward`` + ``jac_to_grad`` for an aggregator), LibMTL's code transcribed below where LibMTL is (DB-MTL,
+MoCo, IMTL). Both sides draw the same random numbers (RLW's weights, GradVac's and GradDrop's draws): the global
+generator is seeded alike before each step.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib.util import find_spec
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multiloss.balancers import balance
+
+pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
+
+STEPS, LR = 20, 0.05
+TASKS, BASE = ["a", "b", "c"], [1.0, 2.0, 0.5]
+
+
+class Net(nn.Module):
+    """A trunk and three heads whose tasks conflict (targets of opposite signs, losses of different scales)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.heads = nn.ModuleList([nn.Linear(8, 1) for _ in TASKS])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.trunk(x)
+        return h, [head(h).squeeze(-1) for head in self.heads]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 6, generator=g, dtype=torch.float64)
+    y = torch.stack([x[:, 0] + x[:, 1], -x[:, 0] + 0.5 * x[:, 2], 3 * x[:, 3] - x[:, 0]], dim=1)
+    return x, y
+
+
+def _losses(net: Net, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    h, outs = net(x)
+    return h, [F.mse_loss(out, y[:, i]) * (i + 1) for i, out in enumerate(outs)]
+
+
+class _Step:
+    """What `Balanced.backward` needs of `multiloss.step.OptimizerStep` on one device, one micro-batch."""
+
+    @staticmethod
+    def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: object) -> None:
+        torch.autograd.backward(loss, grad_tensors=gradient)
+
+
+def _ours(balancer: nn.Module) -> Net:
+    net = Net().double()
+    balancer = balancer.double()
+    x, y = _data()
+    optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=LR)
+    whole = SimpleNamespace(sharded=False, held={})
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad()
+        _, losses = _losses(net, x, y)
+        named = dict(zip(TASKS, losses))
+        balanced = balance(balancer, named, net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward)
+        balanced.backward(_Step())
+        optimizer.step()
+        if balancer.after_step_update:
+            with torch.no_grad():
+                balancer.after_step(torch.stack(_losses(net, x, y)[1]))
+    return net
+
+
+def _scalarizer_reference(make_scalarizer) -> Net:
+    """torchjd's own loop for a scalarizer: ``S(losses).backward()``, FAMO's ``update`` with the losses after the step
+    (torchjd/scalarization/_famo.py's docstring)."""
+    net = Net().double()
+    scalarizer = make_scalarizer().double()
+    x, y = _data()
+    own = [] if hasattr(scalarizer, "update") else list(scalarizer.parameters())
+    optimizer = torch.optim.SGD([*net.parameters(), *own], lr=LR)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad()
+        _, losses = _losses(net, x, y)
+        scalarizer(torch.stack(losses) * base).backward()
+        optimizer.step()
+        if hasattr(scalarizer, "update"):
+            with torch.no_grad():
+                scalarizer.update(torch.stack(_losses(net, x, y)[1]) * base)
+    return net
+
+
+def _aggregator_reference(make_aggregator) -> Net:
+    """torchjd's own MTL loop (docs/source/examples/mtl.rst, torchjd 0.18): ``mtl_backward`` of the losses on the
+    shared features, then ``jac_to_grad`` of the shared parameters with the aggregator."""
+    from torchjd.autojac import jac_to_grad, mtl_backward
+
+    net = Net().double()
+    aggregator = make_aggregator()
+    x, y = _data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad()
+        h, losses = _losses(net, x, y)
+        mtl_backward([c * loss for c, loss in zip(BASE, losses)], features=h)
+        jac_to_grad(list(net.trunk.parameters()), aggregator)
+        optimizer.step()
+    return net
+
+
+def _largest_difference(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _changed(net: nn.Module) -> bool:
+    return _largest_difference(net, Net().double()) > 1e-3
+
+
+# --- torchjd's scalarizers: GLS, RLW, STCH, FAMO, IMTL-L, and DB-MTL's log-loss -------------------------------
+
+SCALARIZERS = {
+    "gls": lambda: __import__("torchjd.scalarization").scalarization.GeometricMean(),
+    "rlw": lambda: __import__("torchjd.scalarization").scalarization.Random(),
+    "stch": lambda: __import__("torchjd.scalarization").scalarization.STCH(mu=1.0),
+    "famo": lambda: __import__("torchjd.scalarization").scalarization.FAMO(3, lr=0.025, weight_decay=1e-3),
+    "imtl_l": lambda: __import__("torchjd.scalarization").scalarization.IMTLL(3),
+}
+
+
+@pytest.mark.parametrize("name", [*SCALARIZERS, "db_mtl_loss"])
+def test_a_scalarization_is_its_reference(name):
+    from multiloss.balancers import LogSum, Scalarized
+
+    if name == "db_mtl_loss":  # LibMTL's DB_MTL.py line 27 (4336804): the log of each loss, + 1e-8, backwarded
+        make = lambda: LogSum(1e-8)  # noqa: E731
+    else:
+        make = SCALARIZERS[name]
+    ours = _ours(Scalarized(TASKS, BASE, make()))
+    reference = _scalarizer_reference(make)
+    print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
+    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-6
+
+
+# --- torchjd's aggregators ---------------------------------------------------------------------------------------
+
+AGGREGATORS = {
+    "cagrad": ("CAGrad", {"c": 0.5}),
+    "nash_mtl": ("NashMTL", {"n_tasks": 3}),
+    "aligned_mtl": ("AlignedMTL", {}),
+    "imtl_g": ("IMTLG", {}),
+    "fairgrad": ("FairGrad", {"alpha": 1.0}),
+    "gradvac": ("GradVac", {"beta": 0.5}),
+    "dualproj": ("DualProj", {}),
+    "graddrop": ("GradDrop", {}),
+    "config": ("ConFIG", {}),
+    "excess_mtl": ("ExcessMTL", {}),
+    "upgrad": ("UPGrad", {}),
+}
+
+
+@pytest.mark.parametrize("name", AGGREGATORS)
+def test_an_aggregator_is_torchjds_loop(name):
+    import torchjd.aggregation
+
+    from multiloss.balancers import JacobianDescent
+
+    cls, kwargs = AGGREGATORS[name]
+    make = lambda: getattr(torchjd.aggregation, cls)(**kwargs)  # noqa: E731
+    ours = _ours(JacobianDescent(TASKS, BASE, make()))
+    reference = _aggregator_reference(make)
+    print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
+    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-6
+
+
+def test_nash_mtl_on_a_singular_gramian_keeps_its_last_weights_instead_of_crashing():
+    """Two tasks with the same gradient and one with none: ECOS meets a singular Gramian; torchjd's NashMTL catches
+    the solver's error and keeps its previous weights, and the step is finite."""
+    import torchjd.aggregation
+
+    from multiloss.balancers import JacobianDescent
+
+    balancer = JacobianDescent(TASKS, [1.0, 1.0, 1.0], torchjd.aggregation.NashMTL(n_tasks=3))
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    same = (w**2).sum()
+    losses = [same, same * 1.0, (w * 0).sum()]
+    balancer.surrogate(losses, [w]).backward()
+    assert torch.isfinite(w.grad).all()
+
+
+# --- LibMTL's DB-MTL, MoCo and IMTL, transcribed ------------------------------------------------------------------
+# median-research-group/LibMTL at 4336804847eaa5e0b924b743d76beec7ac3fdc97: LibMTL/weighting/DB_MTL.py lines 13-37,
+# MoCo.py lines 27-50, IMTL.py lines 19-39, and AbsWeighting._compute_grad / _reset_grad (abstract_weighting.py lines
+# 37-76) for what the heads get: each task's own loss's gradient (its per-task backward), the shared parameters the
+# method's vector.
+
+
+class _LibMTL:
+    """AbsWeighting's gradient plumbing (``_compute_grad(mode='backward')``, ``_reset_grad``) on `Net`'s trunk."""
+
+    def __init__(self, net: Net) -> None:
+        self.net, self.task_num = net, len(TASKS)
+        self.grad_index = [p.numel() for p in net.trunk.parameters()]
+        self.grad_dim = sum(self.grad_index)
+
+    def compute_grad(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        grads = torch.zeros(self.task_num, self.grad_dim, dtype=torch.float64)
+        for tn in range(self.task_num):
+            losses[tn].backward(retain_graph=True) if (tn + 1) != self.task_num else losses[tn].backward()
+            grads[tn] = torch.cat([p.grad.view(-1) for p in self.net.trunk.parameters()])
+            for p in self.net.trunk.parameters():  # zero_grad_share_params
+                p.grad.zero_()
+        return grads
+
+    def reset_grad(self, new_grads: torch.Tensor) -> None:
+        offset = 0
+        for p in self.net.trunk.parameters():
+            p.grad.data = new_grads[offset : offset + p.numel()].contiguous().view(p.size()).data.clone()
+            offset += p.numel()
+
+
+def _libmtl_reference(method: str) -> Net:
+    net = Net().double()
+    x, y = _data()
+    lib = _LibMTL(net)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    loss_scale = nn.Parameter(torch.zeros(3, dtype=torch.float64))  # IMTL.init_param
+    optimizer = torch.optim.SGD([*net.parameters(), loss_scale], lr=LR)
+    step, grad_buffer = 0, torch.zeros(3, lib.grad_dim, dtype=torch.float64)  # DB_MTL.init_param
+    y_state, lambd = torch.zeros(3, lib.grad_dim, dtype=torch.float64), torch.ones(3, dtype=torch.float64) / 3
+    for t in range(STEPS):
+        torch.manual_seed(100 + t)
+        optimizer.zero_grad()
+        _, raw = _losses(net, x, y)
+        losses = torch.stack(raw) * base
+        if method == "db_mtl":
+            step += 1
+            beta, beta_sigma = 0.9, 0.0
+            batch_grads = lib.compute_grad(torch.log(losses + 1e-8))
+            grad_buffer = batch_grads + (beta / step**beta_sigma) * (grad_buffer - batch_grads)
+            u_grad = grad_buffer.norm(dim=-1)
+            alpha = u_grad.max() / (u_grad + 1e-8)
+            new_grads = sum([alpha[i] * grad_buffer[i] for i in range(3)])
+            lib.reset_grad(new_grads)
+        elif method == "moco":
+            step += 1
+            beta, beta_sigma, gamma, gamma_sigma, rho = 0.5, 0.5, 0.1, 0.5, 0.0
+            grads = lib.compute_grad(losses)
+            with torch.no_grad():
+                for tn in range(3):
+                    grads[tn] = grads[tn] / (grads[tn].norm() + 1e-8) * losses[tn]
+            y_state = y_state - (beta / step**beta_sigma) * (y_state - grads)
+            lambd = F.softmax(
+                lambd - (gamma / step**gamma_sigma) * (y_state @ y_state.t() + rho * torch.eye(3)) @ lambd, -1
+            )
+            lib.reset_grad(y_state.t() @ lambd)
+        else:  # imtl
+            losses = loss_scale.exp() * losses - loss_scale
+            grads = lib.compute_grad(losses)
+            grads_unit = grads / torch.norm(grads, p=2, dim=-1, keepdim=True)
+            D = grads[0:1].repeat(2, 1) - grads[1:]
+            U = grads_unit[0:1].repeat(2, 1) - grads_unit[1:]
+            alpha = torch.matmul(torch.matmul(grads[0], U.t()), torch.inverse(torch.matmul(D, U.t())))
+            alpha = torch.cat((1 - alpha.sum().unsqueeze(0), alpha), dim=0)
+            lib.reset_grad(sum([alpha[i] * grads[i] for i in range(3)]))
+        optimizer.step()
+    return net
+
+
+@pytest.mark.parametrize("name", ["db_mtl", "moco", "imtl"])
+def test_a_libmtl_method_is_libmtls_code(name):
+    from multiloss.balancers import DBMTL, IMTL, MoCo
+
+    balancer = {"db_mtl": lambda: DBMTL(TASKS, BASE), "moco": lambda: MoCo(TASKS, BASE), "imtl": lambda: IMTL(TASKS, BASE)}
+    ours = _ours(balancer[name]())
+    reference = _libmtl_reference(name)
+    print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
+    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-6
+
+
+def test_a_stateful_balancer_state_round_trips_through_a_checkpoint_file(tmp_path):
+    """The state a checkpoint holds of the stateful methods loads with ``weights_only=True`` and continues exactly."""
+    import torchjd.aggregation
+    import torchjd.scalarization
+
+    from multiloss.balancers import DBMTL, JacobianDescent, MoCo, Scalarized
+
+    makes = {
+        "gradvac": lambda: JacobianDescent(TASKS, BASE, torchjd.aggregation.GradVac()),
+        "nash_mtl": lambda: JacobianDescent(TASKS, BASE, torchjd.aggregation.NashMTL(n_tasks=3)),
+        "excess_mtl": lambda: JacobianDescent(TASKS, BASE, torchjd.aggregation.ExcessMTL()),
+        "famo": lambda: Scalarized(TASKS, BASE, torchjd.scalarization.FAMO(3)),
+        "db_mtl": lambda: DBMTL(TASKS, BASE),
+        "moco": lambda: MoCo(TASKS, BASE),
+    }
+    for name, make in makes.items():
+        straight, first = make(), make()
+        a, b = _ours(straight), _ours(first)  # the same 20 steps
+        path = tmp_path / f"{name}.pt"
+        torch.save(first.state_dict(), path)
+        resumed = make().double()
+        resumed.load_state_dict(torch.load(path, weights_only=True))
+        # Both go on from where they are: 20 more steps of each, from the same net.
+        net_a, net_b = copy.deepcopy(a), copy.deepcopy(b)
+        for balancer, net in ((straight, net_a), (resumed, net_b)):
+            _continue(balancer, net)
+        assert _largest_difference(net_a, net_b) == 0.0, name
+
+
+def _continue(balancer: nn.Module, net: Net) -> None:
+    x, y = _data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    whole = SimpleNamespace(sharded=False, held={})
+    for step in range(5):
+        torch.manual_seed(200 + step)
+        optimizer.zero_grad()
+        named = dict(zip(TASKS, _losses(net, x, y)[1]))
+        balance(balancer, named, net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward).backward(_Step())
+        optimizer.step()
+        if balancer.after_step_update:
+            with torch.no_grad():
+                balancer.after_step(torch.stack(_losses(net, x, y)[1]))
