@@ -11,6 +11,7 @@ generator is seeded alike before each step.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from importlib.util import find_spec
 from types import SimpleNamespace
 
@@ -332,3 +333,55 @@ def _continue(balancer: nn.Module, net: Net) -> None:
         if balancer.after_step_update:
             with torch.no_grad():
                 balancer.after_step(torch.stack(_losses(net, x, y)[1]))
+
+
+# --- at any scale: every method's distributed paths in one 2-process group ----------------------------------------
+
+GRAMIAN = ["pcgrad", "gradnorm", "upgrad", "mgda", "cagrad", "aligned_mtl", "imtl_g", "fairgrad", "gradvac", "dualproj", "imtl"]
+NEEDS_GRADIENTS = ["nash_mtl", "graddrop", "config", "excess_mtl", "db_mtl", "moco"]
+LOSS_BASED = ["uncertainty", "dwa", "gls", "rlw", "stch", "famo", "imtl_l", "db_mtl_loss"]
+
+
+def _spec(name: str, *overrides: str) -> dict:
+    """``balancer=<name>``'s config as the shipped group composes it."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["recipe=weighted", f"balancer={name}", *overrides], Path("unused"))
+    return OmegaConf.to_container(cfg.model.balancer, resolve=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
+    """``scope=global`` (and every scalarization): 2 ranks × 16 equal 1 rank × 32 (≤ 1e-6, float64) under DDP, and
+    under FSDP2 for the rules the Gramian serves; ``scope=rank``: FSDP2 held whole equals DDP. Three steps each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    methods = {}
+    for name in GRAMIAN:
+        methods[name] = {"spec": _spec(name, "model.balancer.scope=global"), "ways": ["ddp", "fsdp_global"]}
+        methods[f"{name}@rank"] = {"spec": _spec(name), "ways": ["fsdp_rank_vs_ddp"]}
+    for name in NEEDS_GRADIENTS:
+        methods[name] = {"spec": _spec(name, "model.balancer.scope=global"), "ways": ["ddp"]}
+        methods[f"{name}@rank"] = {"spec": _spec(name), "ways": ["fsdp_rank_vs_ddp"]}
+    for name in LOSS_BASED:
+        methods[name] = {"spec": _spec(name), "ways": ["ddp", "fsdp_global"]}
+    (tmp_path / "methods.json").write_text(json.dumps(methods))
+    out = tmp_path / "results.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += ["-m", "tests.balancer_ranks", str(tmp_path / "methods.json"), str(out)]
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for name, ways in results.items():
+        print(name, {way: f"{d:.2g}" for way, d in ways.items()})
+    assert results.keys() == methods.keys()
+    for name, ways in results.items():
+        for way, difference in ways.items():
+            assert difference <= 1e-6, (name, way, difference)
