@@ -6,6 +6,7 @@ import copy
 import csv
 import math
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,11 +327,16 @@ def test_mgda_is_the_exact_minimum_norm_point_where_torchjds_tolerance_stops_sho
     assert (torchjd.norm() - d.norm()) / d.norm() > 0.01  # ... and longer than the minimum
 
 
-ALL = ["fixed", "uncertainty", "dwa", "pcgrad", "gradnorm", "upgrad", "mgda"]
+ALL = sorted(p.stem for p in (Path(__file__).parents[1] / "configs/balancer").glob("*.yaml"))
+WITHOUT_TORCHJD = ("fixed", "uncertainty", "dwa", "pcgrad", "gradnorm", "db_mtl", "moco", "db_mtl_loss")
+
+
+def test_every_shipped_balancer_is_tried():
+    assert len(ALL) >= 26 and {"fixed", "famo", "nash_mtl", "moco"} <= set(ALL)
 
 
 def _needs_torchjd(balancer: str) -> None:
-    if balancer in ("upgrad", "mgda") and find_spec("torchjd") is None:
+    if balancer not in WITHOUT_TORCHJD and find_spec("torchjd") is None:
         pytest.skip("the torchjd extra is not installed")
 
 
@@ -552,3 +558,32 @@ def test_each_gradient_rule_from_the_gramian_alone_equals_the_rule_on_the_gradie
     if rule.extra is not None:  # GradNorm's weights: the same gradient from the Gramian's diagonal
         rule.extra.backward()
         assert torch.allclose(on_gramian.task_weight.grad, on_gradients.task_weight.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("balancer", "override", "key"),
+    [
+        ("db_mtl", "model.balancer.beta=2", "beta"),
+        ("moco", "model.balancer.gamma=0", "gamma"),
+        ("famo", "model.balancer.scalarizer._target_=builtins.dict", "scalarizer"),
+        ("db_mtl_loss", "model.balancer.scalarizer.eps=0", "eps"),
+        ("upgrad", "model.balancer.aggregator._target_=builtins.dict", "aggregator"),
+    ],
+)
+def test_bad_keys_of_the_new_methods_are_one_message_naming_the_key(make_cfg, balancer, override, key):
+    _needs_torchjd(balancer)
+    with pytest.raises(ConfigError, match=key):
+        testing.build(make_cfg(*WEIGHTED, f"balancer={balancer}", override))
+
+
+@pytest.mark.parametrize("balancer", ["nash_mtl", "graddrop", "config", "excess_mtl", "db_mtl", "moco"])
+def test_a_method_that_needs_the_gradients_is_refused_on_the_shards_by_name(balancer):
+    """``scope=global`` under FSDP2 runs the rule on the shards, from the tasks' Gramian: a method that needs the
+    gradients themselves (or keeps averages of them) is refused before any process starts, naming the key and why."""
+    from multiloss.balancers.build import check_sharded_balancer
+    from tests.test_balancer_parity import _spec
+
+    _needs_torchjd(balancer)
+    with pytest.raises(ConfigError, match=r"model\.balancer\.(aggregator|scope)") as refused:
+        check_sharded_balancer(_spec(balancer, "model.balancer.scope=global"), 1)
+    assert "global" in str(refused.value) or "Gramian" in str(refused.value)

@@ -39,7 +39,10 @@ class Scalarized(Balancer):
     def __init__(self, tasks: Sequence[str], base: Sequence[float], scalarizer: Any) -> None:
         super().__init__(tasks, base)
         if isinstance(scalarizer, functools.partial):  # ``_partial_: true``: told the number of tasks
-            takes_shape = "shape" in inspect.signature(scalarizer.func).parameters
+            try:
+                takes_shape = "shape" in inspect.signature(scalarizer.func).parameters
+            except (TypeError, ValueError):  # a builtin: no signature to read
+                takes_shape = False
             scalarizer = scalarizer(shape=len(self.tasks)) if takes_shape else scalarizer()
         require(
             isinstance(scalarizer, nn.Module) and callable(scalarizer),
