@@ -39,6 +39,9 @@ class Scalarized(Balancer):
     def __init__(self, tasks: Sequence[str], base: Sequence[float], scalarizer: Any) -> None:
         super().__init__(tasks, base)
         if isinstance(scalarizer, functools.partial):  # ``_partial_: true``: told the number of tasks
+            # A vector from the config (STCH's weights and reference, FAMO's min_losses) as the tensor torchjd takes.
+            lists = {k: torch.tensor([float(x) for x in v]) for k, v in scalarizer.keywords.items() if _is_list(v)}
+            scalarizer = functools.partial(scalarizer.func, *scalarizer.args, **{**scalarizer.keywords, **lists})
             try:
                 takes_shape = "shape" in inspect.signature(scalarizer.func).parameters
             except (TypeError, ValueError):  # a builtin: no signature to read
@@ -101,6 +104,10 @@ class Scalarized(Balancer):
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if self.after_step_update:
             load_state(self.scalarizer, state)
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | torch.Tensor)
 
 
 class LogSum(nn.Module):

@@ -1,0 +1,175 @@
+"""The two-objective toy of the CAGrad, Nash-MTL and FAMO papers: which balancer reaches the Pareto set from where.
+
+    python benchmarks/balancer_toy.py                        # every method the toy suits, 5 starts, the figure
+    python benchmarks/balancer_toy.py --methods fixed famo upgrad --steps 20000 --lr 1e-3
+
+The problem is ``Toy`` of Cranial-XIX/FAMO, ``experiments/toy/problem.py`` at 0a6ad06 (lines 1-41: CAGrad's toy,
+the first loss scaled by 0.1), written out below; its five starting points and Adam on x are that repository's
+``experiments/toy/trainer.py`` (lines 35-41, 61-66; FAMO's lower bounds -21·0.1 and -21, line 59). Each method runs
+through the balancer protocol as the recipes do (`multiloss.balancers.balance`), x the only parameter (shared by
+both tasks). Shortened for a CPU budget: ``--steps`` 2000 at ``--lr`` 1e-2 (the papers: 50000-100000 at 1e-3), so
+a slow method may stop short where the papers' runs go on.
+
+*Reached* = Pareto-stationary at the end: the minimum-norm convex combination of the two gradients is ≤ ``--tol``
+(0.05; the gradients are of order 1 away from the set). Methods the toy's negative losses rule out are listed
+with the reason. Prints a Markdown table; draws ``docs/balancer_toy.png`` (trajectories over the contours of the
+mean loss). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+LOWER = 0.000005
+SCALE = 0.1
+STARTS = [(-8.5, 7.5), (0.0, 0.0), (9.0, 9.0), (-7.5, -0.5), (9.0, -1.0)]
+# What the toy's losses (negative in most of the plane) rule out, and why.
+UNSUITED = {
+    "gls": "a geometric mean of negative losses is undefined",
+    "db_mtl_loss": "log of a negative loss",
+    "db_mtl": "log of a negative loss",
+    "moco": "scales each gradient by its (negative) loss: the update turns around",
+    "uncertainty": "exp(-s)·L + s with L < 0 has no minimum in s",
+    "imtl_l": "e^s·L - s with L < 0 has no minimum in s",
+    "imtl": "IMTL-L's scales, as imtl_l",
+    "gradnorm": "its training rates L/L(0) change sign",
+    "dwa": "epoch means: the toy has no epochs (it is fixed)",
+}
+OVERRIDES = {"famo": ["model.balancer.scalarizer.min_losses=[-2.1,-21]"]}
+
+
+def toy(x: torch.Tensor) -> torch.Tensor:
+    """Cranial-XIX/FAMO experiments/toy/problem.py (0a6ad06), ``Toy.forward`` lines 14-31, scale 0.1."""
+    x1, x2 = x[0], x[1]
+    f1 = torch.clamp((0.5 * (-x1 - 7) - torch.tanh(-x2)).abs(), LOWER).log() + 6
+    f2 = torch.clamp((0.5 * (-x1 + 3) + torch.tanh(-x2) + 2).abs(), LOWER).log() + 6
+    c1 = torch.clamp(torch.tanh(x2 * 0.5), 0)
+    f1_sq = ((-x1 + 7).pow(2) + 0.1 * (-x2 - 8).pow(2)) / 10 - 20
+    f2_sq = ((-x1 - 7).pow(2) + 0.1 * (-x2 - 8).pow(2)) / 10 - 20
+    c2 = torch.clamp(torch.tanh(-x2 * 0.5), 0)
+    f1 = (f1 * c1 + f1_sq * c2) * SCALE
+    f2 = f2 * c1 + f2_sq * c2
+    return torch.stack([f1, f2])
+
+
+def stationarity(x: torch.Tensor) -> float:
+    """‖min-norm convex combination of ∇f1, ∇f2‖ at ``x``: 0 on the Pareto set."""
+    x = x.detach().clone().requires_grad_(True)
+    f = toy(x)
+    g1 = torch.autograd.grad(f[0], x, retain_graph=True)[0]
+    g2 = torch.autograd.grad(f[1], x)[0]
+    diff = g1 - g2
+    lam = torch.clamp(((g2 - g1) @ g2) / diff.dot(diff).clamp_min(1e-30), 0, 1)
+    return float((lam * g1 + (1 - lam) * g2).norm())
+
+
+def run(method: str, start: tuple[float, float], steps: int, lr: float) -> tuple[list[tuple[float, float]], float]:
+    from omegaconf import OmegaConf
+
+    from multiloss import testing
+    from multiloss.balancers import balance
+    from multiloss.balancers.build import build_balancer
+
+    net = nn.Module()
+    net.x = nn.Parameter(torch.tensor(start))
+    cfg = testing.compose("recipe=weighted", f"balancer={method}", *OVERRIDES.get(method, []))
+    spec = OmegaConf.to_container(cfg.model.balancer, resolve=True)
+    balancer = build_balancer(spec, ["f1", "f2"], [1.0, 1.0], net, "model.balancer")
+    optimizer = torch.optim.Adam([net.x, *balancer.parameters()], lr=lr)
+    one = type("OneDevice", (), {"sharded": False, "held": {}})()
+
+    class Step:
+        @staticmethod
+        def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: object) -> None:
+            torch.autograd.backward(loss, grad_tensors=gradient)
+
+    path = [tuple(net.x.tolist())]
+    for _ in range(steps):
+        optimizer.zero_grad()
+        f = toy(net.x)
+        losses = {"f1": f[0], "f2": f[1]}
+        balance(balancer, losses, net, one, 0, lambda t: t, lambda t: t, torch.autograd.backward).backward(Step())
+        optimizer.step()
+        if balancer.after_step_update:
+            with torch.no_grad():
+                balancer.after_step(toy(net.x))
+        path.append(tuple(net.x.tolist()))
+    return path, stationarity(net.x)
+
+
+def draw(paths: dict[str, list[list[tuple[float, float]]]], reached: dict[str, list[bool]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.linspace(-10, 10, 161)
+    xs, ys = np.meshgrid(grid, grid)
+    with torch.no_grad():
+        mean = np.array([[float(toy(torch.tensor([a, b])).mean()) for a in grid] for b in grid])
+    cols = 6
+    rows = -(-len(paths) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for ax, (method, runs) in zip(axes.flat, paths.items()):
+        ax.set_visible(True)
+        ax.contour(xs, ys, mean, levels=20, linewidths=0.4, colors="0.7")
+        for path, ok in zip(runs, reached[method]):
+            p = np.array(path)
+            ax.plot(p[:, 0], p[:, 1], lw=1.2, color="tab:green" if ok else "tab:red")
+            ax.plot(p[0, 0], p[0, 1], "o", ms=3, color="k")
+            ax.plot(p[-1, 0], p[-1, 1], "*", ms=7, color="tab:green" if ok else "tab:red")
+        ax.set_title(f"{method} ({sum(reached[method])}/5)", fontsize=10)
+        ax.set_xlim(-10, 10)
+        ax.set_ylim(-10, 10)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle("Two-objective toy (CAGrad / Nash-MTL / FAMO): green = Pareto-stationary at the end", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    shipped = sorted(p.stem for p in (ROOT / "configs/balancer").glob("*.yaml"))
+    suited = [m for m in shipped if m not in UNSUITED]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", default=suited, choices=suited)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--tol", type=float, default=0.05)
+    parser.add_argument("--figure", type=Path, default=ROOT / "docs/balancer_toy.png")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    paths, reached, rows = {}, {}, []
+    for method in args.methods:
+        start = time.perf_counter()
+        runs = [run(method, s, args.steps, args.lr) for s in STARTS]
+        paths[method] = [p for p, _ in runs]
+        reached[method] = [d <= args.tol for _, d in runs]
+        final = [toy(torch.tensor(p[-1])).tolist() for p in paths[method]]
+        rows.append((method, runs, final, time.perf_counter() - start))
+        print(f"{method}: {sum(reached[method])}/5 in {rows[-1][3]:.0f} s", flush=True)
+    print(f"\n{args.steps} Adam steps at lr {args.lr}; reached = min-norm ‖λ∇f1 + (1-λ)∇f2‖ ≤ {args.tol} at the end\n")
+    print("| method | reached | " + " | ".join(f"start {s}" for s in STARTS) + " |")
+    print("|---|---:|" + "---|" * len(STARTS))
+    for method, runs, final, _ in rows:
+        cells = [
+            f"{'✓' if d <= args.tol else '✗'} ({f[0]:.2f}, {f[1]:.2f})" for (_, d), f in zip(runs, final, strict=True)
+        ]
+        print(f"| `{method}` | {sum(d <= args.tol for _, d in runs)}/5 | " + " | ".join(cells) + " |")
+    for method, why in UNSUITED.items():
+        print(f"- `{method}`: not run ({why})")
+    draw(paths, reached, args.figure)
+    print(f"\nfigure: {args.figure.relative_to(ROOT) if args.figure.is_relative_to(ROOT) else args.figure}")
+
+
+if __name__ == "__main__":
+    main()
