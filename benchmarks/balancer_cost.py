@@ -114,7 +114,9 @@ def main() -> None:
             results[k][name] = case(name, k, args.steps)
             r = results[k][name]
             print(f"K={k} {name}: {r['seconds']:.2f} s/step, peak {r['peak_mib']:.0f} MiB", file=sys.stderr, flush=True)
-    header = " | ".join(f"K={k} s/step | × fixed | above start MiB | × fixed | peak RSS MiB | × fixed" for k in args.tasks)
+    header = " | ".join(
+        f"K={k} s/step | × fixed | above start MiB | × fixed | peak RSS MiB | × fixed" for k in args.tasks
+    )
     print(f"\n| balancer | {header} |")
     print("|---|" + "---:|" * (6 * len(args.tasks)))
     for name in names:

@@ -11,8 +11,8 @@ generator is seeded alike before each step.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from importlib.util import find_spec
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -145,10 +145,8 @@ SCALARIZERS = {
 def test_a_scalarization_is_its_reference(name):
     from multiloss.balancers import LogSum, Scalarized
 
-    if name == "db_mtl_loss":  # LibMTL's DB_MTL.py line 27 (4336804): the log of each loss, + 1e-8, backwarded
-        make = lambda: LogSum(1e-8)  # noqa: E731
-    else:
-        make = SCALARIZERS[name]
+    # db_mtl_loss: LibMTL's DB_MTL.py line 27 (4336804), the log of each loss + 1e-8, backwarded.
+    make = SCALARIZERS.get(name, lambda: LogSum(1e-8))
     ours = _ours(Scalarized(TASKS, BASE, make()))
     reference = _scalarizer_reference(make)
     print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
@@ -284,7 +282,11 @@ def _libmtl_reference(method: str) -> Net:
 def test_a_libmtl_method_is_libmtls_code(name):
     from multiloss.balancers import DBMTL, IMTL, MoCo
 
-    balancer = {"db_mtl": lambda: DBMTL(TASKS, BASE), "moco": lambda: MoCo(TASKS, BASE), "imtl": lambda: IMTL(TASKS, BASE)}
+    balancer = {
+        "db_mtl": lambda: DBMTL(TASKS, BASE),
+        "moco": lambda: MoCo(TASKS, BASE),
+        "imtl": lambda: IMTL(TASKS, BASE),
+    }
     ours = _ours(balancer[name]())
     reference = _libmtl_reference(name)
     print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
@@ -337,7 +339,19 @@ def _continue(balancer: nn.Module, net: Net) -> None:
 
 # --- at any scale: every method's distributed paths in one 2-process group ----------------------------------------
 
-GRAMIAN = ["pcgrad", "gradnorm", "upgrad", "mgda", "cagrad", "aligned_mtl", "imtl_g", "fairgrad", "gradvac", "dualproj", "imtl"]
+GRAMIAN = [
+    "pcgrad",
+    "gradnorm",
+    "upgrad",
+    "mgda",
+    "cagrad",
+    "aligned_mtl",
+    "imtl_g",
+    "fairgrad",
+    "gradvac",
+    "dualproj",
+    "imtl",
+]
 NEEDS_GRADIENTS = ["nash_mtl", "graddrop", "config", "excess_mtl", "db_mtl", "moco"]
 LOSS_BASED = ["uncertainty", "dwa", "gls", "rlw", "stch", "famo", "imtl_l", "db_mtl_loss"]
 

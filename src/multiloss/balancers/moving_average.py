@@ -155,7 +155,9 @@ class MoCo(_MovingAverage):
         self.average = y = y - (self.beta / self.steps**self.beta_sigma) * (y - g)
         lambd = self.lambd.to(y.device, y.dtype)
         eye = torch.eye(len(lambd), dtype=y.dtype, device=y.device)
-        self.lambd = torch.softmax(lambd - (self.gamma / self.steps**self.gamma_sigma) * (y @ y.T + self.rho * eye) @ lambd, -1)
+        self.lambd = torch.softmax(
+            lambd - (self.gamma / self.steps**self.gamma_sigma) * (y @ y.T + self.rho * eye) @ lambd, -1
+        )
         return gradient_surrogate(grads, y.T @ self.lambd)
 
     def _more(self) -> dict[str, Any]:
