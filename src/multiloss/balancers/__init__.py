@@ -1,8 +1,10 @@
 """Balancers: how a multi-task recipe weighs its tasks' losses, or combines their gradients (``model.balancer``).
 
 A balancer is one file's class and one config (``configs/balancer/<name>.yaml``, ``_target_`` its class):
-`protocol` (what a balancer is and one step of it), `weighting` (weights from the losses), `gradients`
-(rules on the tasks' gradients), `build` (made from its config, once, for the recipe's tasks).
+`protocol` (what a balancer is and one step of it), `weighting` (weights from the losses), `scalarized` (any
+torchjd scalarizer: GLS, RLW, STCH, FAMO, IMTL-L), `gradients` (rules on the tasks' gradients: PCGrad, GradNorm,
+IMTL, any torchjd aggregator — `torchjd_state` checkpoints a stateful one), `moving_average` (DB-MTL, MoCo),
+`build` (made from its config, once, for the recipe's tasks). docs/balancers.md lists the 26 shipped configs.
 The configured weights cᵢ (``model.tasks.<task>.weight``) multiply every balancer's weights, so a
 weight of 0 keeps a task off whatever the balancer. Its parameters are in the recipe's optimizer,
 its state in the checkpoint: a resumed run continues exactly.
