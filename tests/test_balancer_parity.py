@@ -399,3 +399,50 @@ def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
     for name, ways in results.items():
         for way, difference in ways.items():
             assert difference <= 1e-6, (name, way, difference)
+
+
+# --- the Gramian layer by layer: the same step as the K gradients, without them --------------------------------------
+
+
+@pytest.mark.parametrize("name", GRAMIAN)
+def test_the_gramian_layer_by_layer_gives_the_step_of_the_task_gradients(name):
+    """``gramian: layers`` (the default where the shared layers are Linear) against ``gramian: gradients`` (the K task
+    gradients): the same 20 steps (≤ 1e-6, float64: GradNorm takes its norms in float32 on either path)."""
+    from multiloss.balancers.build import build_balancer
+
+    def run(gramian: str) -> Net:
+        net = Net().double()
+        spec = {**_spec(name), "gramian": gramian}
+        balancer = build_balancer(spec, TASKS, BASE, net, "model.balancer").double()
+        assert (balancer._layers is not None) == (gramian == "layers")
+        x, y = _data()
+        optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=LR)
+        whole = SimpleNamespace(sharded=False, held={})
+        for step in range(STEPS):
+            torch.manual_seed(100 + step)
+            optimizer.zero_grad()
+            named = dict(zip(TASKS, _losses(net, x, y)[1]))
+            balance(balancer, named, net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward).backward(_Step())
+            optimizer.step()
+        return net
+
+    layers, gradients = run("layers"), run("gradients")
+    print(f"{name}: layers vs gradients {_largest_difference(layers, gradients):.2g}")
+    assert _changed(layers) and _largest_difference(layers, gradients) <= 1e-6
+
+
+def test_a_shared_layer_that_is_not_linear_takes_the_task_gradients_and_says_so():
+    from multiloss.balancers import PCGrad
+
+    net = Net().double()
+    net.trunk[0] = nn.Conv1d(1, 8, 6).double()  # a convolution in the trunk
+    net.trunk.insert(1, nn.Flatten())
+    balancer = PCGrad(TASKS, BASE, net=net, shared=None)
+    balancer._layers = __import__("multiloss.balancers.layer_gramian").balancers.layer_gramian.LayerGramian(net)
+    x, y = _data()
+    h = net.trunk(x[:, None, :])
+    losses = [F.mse_loss(head(h).squeeze(-1), y[:, i]) for i, head in enumerate(net.heads)]
+    with pytest.warns(UserWarning, match="not a Linear layer"):
+        surrogate = balancer.surrogate(losses, list(net.parameters()))
+    surrogate.backward()
+    assert all(p.grad is not None for p in net.parameters())

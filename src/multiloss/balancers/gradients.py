@@ -47,8 +47,9 @@ class PCGrad(GradientBalancer):
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
         scope: str = "rank",
+        gramian: str = "layers",
     ) -> None:
-        super().__init__(tasks, base, shared, net, scope)
+        super().__init__(tasks, base, shared, net, scope, gramian)
         self.shuffle = bool(shuffle)
         self.generator = torch.Generator().manual_seed(int(seed))
 
@@ -125,11 +126,14 @@ class JacobianDescent(GradientBalancer):
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
         scope: str = "rank",
+        gramian: str = "layers",
     ) -> None:
-        super().__init__(tasks, base, shared, net, scope)
         require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
         if isinstance(aggregator, functools.partial):  # ``_partial_: true``: one that is told the number of tasks
-            aggregator = aggregator(n_tasks=len(self.tasks))
+            aggregator = aggregator(n_tasks=len(tasks))
+        # Only an aggregator torchjd defines by a weighting of the Gramian can take it layer by layer.
+        by_gramian = getattr(aggregator, "gramian_weighting", None) is not None
+        super().__init__(tasks, base, shared, net, scope, gramian if by_gramian else "gradients")
         # Not a submodule: its state (a stateful one's) is this balancer's extra state, kept per rank; as a
         # submodule DDP would broadcast rank zero's buffers over every rank's own at each forward.
         object.__setattr__(self, "aggregator", aggregator)
@@ -176,10 +180,11 @@ class IMTL(JacobianDescent):
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
         scope: str = "rank",
+        gramian: str = "layers",
     ) -> None:
         from torchjd.aggregation import IMTLG
 
-        super().__init__(tasks, base, IMTLG(), shared, net, scope)
+        super().__init__(tasks, base, IMTLG(), shared, net, scope, gramian)
         self.log_scale = nn.Parameter(torch.zeros(len(self.tasks)))
 
     def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -249,8 +254,9 @@ class GradNorm(GradientBalancer):
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
         scope: str = "rank",
+        gramian: str = "layers",
     ) -> None:
-        super().__init__(tasks, base, shared, net, scope)
+        super().__init__(tasks, base, shared, net, scope, gramian)
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
         require(0 < min_weight < 1, "min_weight", min_weight, "a number in (0, 1): the least weight a task keeps")
         self.alpha, self.min_weight = float(alpha), float(min_weight)

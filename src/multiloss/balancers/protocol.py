@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from multiloss.balancers.layer_gramian import LayerGramian, reached
 from multiloss.balancers.sharded_rule import apply_sharded_rule
 from multiloss.balancers.task_gradients import TaskGradients, select_parameters, task_gradients
 from multiloss.config import require
@@ -194,9 +195,17 @@ class GradientBalancer(Balancer):
         shared: Sequence[str] | None = None,
         net: nn.Module | None = None,
         scope: str = "rank",
+        gramian: str = "layers",
     ) -> None:
         super().__init__(tasks, base)
         require(shared is None or net is not None, "shared", shared, "null, unless the recipe passes its net")
+        require(
+            gramian in ("layers", "gradients"),
+            "gramian",
+            gramian,
+            "layers (the tasks' Gramian layer by layer, no K × n gradients held, where the shared layers are Linear) "
+            "or gradients (the K task gradients)",
+        )
         require(
             scope in ("rank", "global"),
             "scope",
@@ -208,6 +217,14 @@ class GradientBalancer(Balancer):
         self.shared = None if shared is None else list(shared)
         self._shared_built = None if shared is None else select_parameters(net, shared)
         self._mean_over_ranks: Reduce | None = None
+        # The Gramian layer by layer (`layer_gramian`): for a rule that needs only the Gramian, each rank's own.
+        self.gramian = gramian
+        uses_layers = gramian == "layers" and net is not None and scope == "rank" and self.rule_is_gramian()
+        self._layers = LayerGramian(net) if uses_layers else None
+
+    def rule_is_gramian(self) -> bool:
+        """Whether this balancer's rule needs only the tasks' Gramian (it defines `gramian_rule`)."""
+        return type(self).gramian_rule is not GradientBalancer.gramian_rule
 
     def start_epoch(self, epoch: int, reduce: Reduce) -> None:
         self._mean_over_ranks = reduce
@@ -224,11 +241,51 @@ class GradientBalancer(Balancer):
         (projections, norms, a QP's Gramian) is done in the gradients' precision, as a backward would.
         """
         weighted = self.rule_losses(losses)
+        shared = shared if shared is not None else self._shared_built
         with torch.autocast(weighted[0].device.type, enabled=False):
-            grads = task_gradients(weighted, params, shared if shared is not None else self._shared_built)
+            if self._layers is not None:
+                surrogate = self._surrogate_from_gramian(weighted, losses, [p for p in params if p.requires_grad], shared)
+                if surrogate is not None:
+                    return surrogate
+            grads = task_gradients(weighted, params, shared)
             if self.scope == "global" and self._mean_over_ranks is not None:
                 grads = grads.averaged(self._mean_over_ranks)  # the global batch's: every rank then agrees
             return self.combine(grads, losses)
+
+    def _surrogate_from_gramian(
+        self,
+        weighted: list[torch.Tensor],
+        losses: Sequence[torch.Tensor],
+        params: list[nn.Parameter],
+        shared: Sequence[nn.Parameter] | None,
+    ) -> torch.Tensor | None:
+        """The rule from the Gramian layer by layer (`layer_gramian`), as the loss Σᵢ αᵢ·cᵢLᵢ whose one backward is
+        the step's gradient — each task's own parameters corrected to their coefficient βᵢ; None where the shared
+        parameters are not all Linear layers' (the rule then takes the K gradients)."""
+        layers = self._layers
+        assert layers is not None
+        reach = reached(weighted, params)
+        if shared is None:
+            shared = [p for p in params if sum(id(p) in r for r in reach) > 1]
+        if not layers.covers(shared):
+            layers.clear()
+            return None
+        stacked = torch.stack(weighted)
+        rule = self.gramian_rule(layers.gramian(stacked, shared), losses)
+        alpha, beta = rule.shared.to(stacked.dtype).detach(), rule.own.to(stacked.dtype).detach()
+        total = (alpha * stacked).sum()
+        chosen = {id(p) for p in shared}
+        own = [p for p in params if id(p) not in chosen and any(id(p) in r for r in reach)]
+        if own and not torch.equal(alpha, beta):
+            eye = torch.eye(len(stacked), dtype=stacked.dtype, device=stacked.device)
+            grads = torch.autograd.grad(
+                stacked, own, grad_outputs=eye, is_grads_batched=True, retain_graph=True, allow_unused=True
+            )
+            change = beta - alpha
+            for p, g in zip(own, grads):
+                if g is not None:  # a head: its task's gradient times βᵢ - αᵢ, added to the αᵢ the backward gives
+                    total = total + (p * (change.view(-1, *[1] * p.dim()) * g).sum(0).detach()).sum()
+        return total if rule.extra is None else total + rule.extra
 
     def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The losses whose gradients the rule combines: cᵢ·Lᵢ (IMTL: its learned scales too)."""
