@@ -2,6 +2,7 @@
 
     python benchmarks/balancer_cost.py                          # every shipped balancer, K = 3 and 8
     python benchmarks/balancer_cost.py --balancers fixed pcgrad upgrad --tasks 8
+    python benchmarks/balancer_cost.py --balancers fixed upgrad upgrad:gradients   # the Gramian layer by layer or not
 
 One process per case (a fresh allocator, so peak RSS is the case's own; glibc's mmap threshold lowered as in
 ``benchmarks/memory.py``): the 3 × 4096 dense trunk of ``benchmarks/memory.py``'s sharding law (34.0 M
@@ -51,7 +52,10 @@ def run_case(name: str, k: int, steps: int) -> dict[str, float]:
     net.trunk = nn.Sequential(*dense_blocks(256, 4096, 3, 0.0, False))
     net.heads = nn.ModuleList(nn.Linear(4096, 10) for _ in range(k))
     tasks = [f"task{i}" for i in range(k)]
-    spec = OmegaConf.to_container(testing.compose("recipe=weighted", f"balancer={name}").model.balancer, resolve=True)
+    method, _, path = name.partition(":")  # pcgrad:gradients — the rule on the K task gradients
+    extra = [f"model.balancer.gramian={path}"] if path else []
+    cfg = testing.compose("recipe=weighted", f"balancer={method}", *extra)
+    spec = OmegaConf.to_container(cfg.model.balancer, resolve=True)
     balancer = build_balancer(spec, tasks, [1.0] * k, net, "model.balancer")
     optimizer = torch.optim.Adam([*net.parameters(), *balancer.parameters()], lr=1e-4)
     x, y = torch.randn(512, 256), torch.randint(0, 10, (k, 512))
@@ -99,7 +103,8 @@ def case(name: str, k: int, steps: int) -> dict[str, float]:
 def main() -> None:
     shipped = sorted(p.stem for p in (ROOT / "configs/balancer").glob("*.yaml"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--balancers", nargs="+", default=shipped, choices=shipped)
+    variants = [f"{n}:gradients" for n in ("pcgrad", "upgrad", "cagrad", "gradvac")]
+    parser.add_argument("--balancers", nargs="+", default=[*shipped, *variants], choices=[*shipped, *variants])
     parser.add_argument("--tasks", nargs="+", type=int, default=[3, 8])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)
