@@ -45,6 +45,9 @@ class _Step:
         torch.autograd.backward(loss, grad_tensors=gradient)
 
 
+LAYER_STEPS: dict[str, int] = {}  # way -> the steps whose Gramian came layer by layer (the last method's run)
+
+
 def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
     holder = nn.Module()
     holder.net = Net().double()
@@ -85,6 +88,8 @@ def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
         if balancer.after_step_update:
             with torch.no_grad():
                 balancer.after_step(torch.stack(_losses(net, x, y)[1]))
+    layers = getattr(balancer, "_layers", None)
+    LAYER_STEPS[way] = 0 if layers is None else layers.steps
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in net.parameters()]
 
 
@@ -109,6 +114,7 @@ def main() -> None:
         if ways == ["fsdp_rank_vs_ddp"]:  # scope=rank: each rank's own rule; FSDP2 held whole against DDP
             ddp, fsdp = _run(spec, "ddp", rank), _run(spec, "fsdp_rank", rank)
             results[name] = {"fsdp_rank_vs_ddp": _largest(ddp, fsdp)}
+            results[name]["layer_steps"] = [LAYER_STEPS["ddp"], LAYER_STEPS["fsdp_rank"]]
             continue
         reference = _run(spec, "one", rank)  # scope=global: one device on the global batch
         results[name] = {way: _largest(_run(spec, way, rank), reference) for way in ways}

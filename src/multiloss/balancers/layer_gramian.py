@@ -36,6 +36,7 @@ class LayerGramian:
         self.layers = [m for m in net.modules() if isinstance(m, nn.Linear)]
         self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in self.layers}
         self._said = False
+        self.steps = 0  # the steps whose Gramian came from the layers (what a test or a benchmark reads)
         for layer in self.layers:
             layer.register_forward_hook(self._record)
 
@@ -84,6 +85,7 @@ class LayerGramian:
                 if rows:
                     gramian += _layer_gramian(layer, rows, chosen, dtype)
         self.clear()
+        self.steps += 1
         return gramian
 
 
