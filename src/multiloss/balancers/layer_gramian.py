@@ -42,7 +42,7 @@ class LayerGramian:
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            self.calls[id(module)].append((args[0], output))
+            self.calls.setdefault(id(module), []).append((args[0], output))  # (a deep copy's modules: new ids)
 
     def clear(self) -> None:
         for calls in self.calls.values():
@@ -67,7 +67,7 @@ class LayerGramian:
         k = len(losses)
         chosen = {id(p) for p in shared}
         layers = [m for m in self.layers if any(id(p) in chosen for p in m.parameters(recurse=False))]
-        recorded = [(m, x, out) for m in layers for x, out in self.calls[id(m)]]
+        recorded = [(m, x, out) for m in layers for x, out in self.calls.get(id(m), [])]
         dtype = torch.promote_types(losses.dtype, torch.float32)
         gramian = torch.zeros(k, k, dtype=dtype, device=losses.device)
         if recorded:
