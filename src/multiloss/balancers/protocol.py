@@ -244,7 +244,9 @@ class GradientBalancer(Balancer):
         shared = shared if shared is not None else self._shared_built
         with torch.autocast(weighted[0].device.type, enabled=False):
             if self._layers is not None:
-                surrogate = self._surrogate_from_gramian(weighted, losses, [p for p in params if p.requires_grad], shared)
+                surrogate = self._surrogate_from_gramian(
+                    weighted, losses, [p for p in params if p.requires_grad], shared
+                )
                 if surrogate is not None:
                     return surrogate
             grads = task_gradients(weighted, params, shared)
