@@ -11,6 +11,7 @@ generator is seeded alike before each step.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,9 +63,10 @@ class _Step:
         torch.autograd.backward(loss, grad_tensors=gradient)
 
 
-def _ours(balancer: nn.Module) -> Net:
+def _ours(balancer: nn.Module | Callable[[Net], nn.Module]) -> Net:
+    """20 steps of the balancer protocol (``balancer``, or a function making it for the net)."""
     net = Net().double()
-    balancer = balancer.double()
+    balancer = (balancer if isinstance(balancer, nn.Module) else balancer(net)).double()
     x, y = _data()
     optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=LR)
     whole = SimpleNamespace(sharded=False, held={})
@@ -415,20 +417,12 @@ def test_the_gramian_layer_by_layer_gives_the_step_of_the_task_gradients(name):
     from multiloss.balancers.build import build_balancer
 
     def run(gramian: str) -> Net:
-        net = Net().double()
-        spec = {**_spec(name), "gramian": gramian}
-        balancer = build_balancer(spec, TASKS, BASE, net, "model.balancer").double()
-        assert (balancer._layers is not None) == (gramian == "layers")
-        x, y = _data()
-        optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=LR)
-        whole = SimpleNamespace(sharded=False, held={})
-        for step in range(STEPS):
-            torch.manual_seed(100 + step)
-            optimizer.zero_grad()
-            named = dict(zip(TASKS, _losses(net, x, y)[1]))
-            balance(balancer, named, net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward).backward(_Step())
-            optimizer.step()
-        return net
+        def make(net: Net) -> nn.Module:
+            balancer = build_balancer({**_spec(name), "gramian": gramian}, TASKS, BASE, net, "model.balancer")
+            assert (balancer._layers is not None) == (gramian == "layers")
+            return balancer
+
+        return _ours(make)
 
     layers, gradients = run("layers"), run("gradients")
     print(f"{name}: layers vs gradients {_largest_difference(layers, gradients):.2g}")
