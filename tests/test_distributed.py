@@ -374,10 +374,11 @@ BALANCED = (
 )
 
 
-@pytest.mark.parametrize("balancer", ["uncertainty", "dwa"])
+@pytest.mark.parametrize("balancer", ["uncertainty", "dwa", "famo"])
 def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
     """DWA's 2-rank run also stops mid-epoch (step 3 of 3 × 2) and resumes: its running loss sums
-    are each rank's own, and the checkpoint's mean of them gives the same epoch means."""
+    are each rank's own, and the checkpoint's mean of them gives the same epoch means. FAMO weighs, and learns its
+    logits after each step, from the ranks' mean losses: its logits end as one rank's on the global batch."""
     common = (*BALANCED, f"balancer={balancer}")
     if balancer == "dwa":
         first = _train(tmp_path / "ddp_first", *common, *DDP, "data.batch_size=16", "trainer.max_steps=3")
@@ -390,7 +391,11 @@ def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
     wa, wb = (load_weights(run / "checkpoints/last.ckpt") for run in (two, one))
     names = [k for k in wb if not k.endswith("_extra_state")]
     assert_gradients_close(wa, wb, atol=1e-6, rtol=0, names=names)
-    assert any(k.startswith("balancer.") for k in names)  # the balancer's state (DWA's weights, sᵢ) too
+    if balancer == "famo":  # its logits: extra state (its own Adam steps them, not the recipe's optimizer)
+        logits = [w["balancer._extra_state"][""]["_w"] for w in (wa, wb)]
+        assert torch.allclose(*logits, atol=1e-6) and bool(logits[0].abs().sum() > 0)
+    else:
+        assert any(k.startswith("balancer.") for k in names)  # the balancer's state (DWA's weights, sᵢ) too
 
 
 @pytest.mark.parametrize("balancer", ["pcgrad", "gradnorm", "upgrad"])
