@@ -118,6 +118,8 @@ def same_state(a: object, b: object) -> bool:
         return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):  # every rank's state, an optimizer's groups
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     return a == b
 
 

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
 from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_checkpoint, load_weights, run_cli, train_here
-from tests.helpers import char_streams, padded_tbptt, padded_token_npz
+from tests.helpers import char_streams, padded_tbptt, padded_token_npz, same_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -396,6 +396,23 @@ def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
         assert torch.allclose(*logits, atol=1e-6) and bool(logits[0].abs().sum() > 0)
     else:
         assert any(k.startswith("balancer.") for k in names)  # the balancer's state (DWA's weights, sᵢ) too
+
+
+@pytest.mark.parametrize("balancer", ["moco", "gradvac"])
+def test_a_stateful_rule_of_scope_rank_resumes_each_ranks_own_state_exactly(tmp_path, balancer):
+    """``scope=rank`` on 2 ranks: each rank's averages (MoCo's K × n, GradVac's cosine EMA) are its own; the checkpoint
+    holds every rank's (one all-gather at the save) and each rank resumes with its own: stopped at step 3 and resumed
+    to 6, the same checkpoint as the run that went straight to 6."""
+    common = (*BALANCED, f"balancer={balancer}", *DDP, "data.batch_size=16")
+    straight = _train(tmp_path / "straight", *common, "trainer.max_steps=6")
+    first = _train(tmp_path / "first", *common, "trainer.max_steps=3")
+    resumed = _train(
+        tmp_path / "resumed", *common, "trainer.max_steps=6", f"ckpt_path={first / 'checkpoints/last.ckpt'}"
+    )
+    a, b = (load_weights(run / "checkpoints/last.ckpt") for run in (straight, resumed))
+    states = a["balancer._extra_state"]["per_rank"]
+    assert len(states) == 2 and not same_state(states[0], states[1])  # the ranks' own do differ
+    assert same_state(a, b)
 
 
 @pytest.mark.parametrize("balancer", ["pcgrad", "gradnorm", "upgrad"])

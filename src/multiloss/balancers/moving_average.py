@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multiloss.balancers.protocol import GradientBalancer
+from multiloss.balancers.protocol import GradientBalancer, own_rank_state
 from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
 from multiloss.config import require
 
@@ -59,10 +59,13 @@ class _MovingAverage(GradientBalancer):
             values = self._mean_over_ranks(values)
         return values
 
+    state_per_rank = True
+
     def get_extra_state(self) -> dict[str, Any]:
         return {"steps": self.steps, "average": None if self.average is None else self.average.cpu(), **self._more()}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        state = own_rank_state(state)
         self.steps = int(state["steps"])
         self.average = None if state["average"] is None else state["average"].clone()
         self._load_more(state)

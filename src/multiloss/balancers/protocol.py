@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from multiloss.balancers.layer_gramian import LayerGramian, reached
@@ -82,6 +83,19 @@ class Balancer(nn.Module):
         rank zero's copy, which every rank loads on resume.
         """
         return None
+
+
+PER_RANK = "per_rank"  # a checkpoint's extra state holding every rank's own (`GradientBalancer.checkpoint_extra_state`)
+
+
+def own_rank_state(state: Any) -> Any:
+    """This rank's state from a checkpoint that holds every rank's (rank zero's where the run has more ranks than the
+    checkpoint had), or ``state`` itself."""
+    if not (isinstance(state, dict) and PER_RANK in state):
+        return state
+    states = state[PER_RANK]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return states[rank] if rank < len(states) else states[0]
 
 
 def save_balancer_state(balancer: Balancer, checkpoint: dict, reduce: Reduce, prefix: str = "balancer.") -> None:
@@ -221,6 +235,19 @@ class GradientBalancer(Balancer):
         self.gramian = gramian
         uses_layers = gramian == "layers" and net is not None and scope == "rank" and self.rule_is_gramian()
         self._layers = LayerGramian(net) if uses_layers else None
+
+    state_per_rank = False  # True: with scope rank, each rank's state is its own (the stateful rules' averages)
+
+    def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, Any] | None:
+        """Every rank's own state (``state_per_rank`` rules at ``scope=rank`` on several ranks: one all-gather at a
+        save), so that each rank resumes with its own — exact where rank zero's alone would not be."""
+        if not (self.state_per_rank and self.scope == "rank" and dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size() == 1:
+            return None
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, self.get_extra_state())
+        return {PER_RANK: states}
 
     def rule_is_gramian(self) -> bool:
         """Whether this balancer's rule needs only the tasks' Gramian (it defines `gramian_rule`)."""
