@@ -21,6 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from multiloss.balancers.protocol import unpack_state
 from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
 from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_checkpoint, load_weights, run_cli, train_here
 from tests.helpers import char_streams, padded_tbptt, padded_token_npz, same_state
@@ -392,7 +393,7 @@ def test_loss_balancers_on_two_ranks_equal_one_rank(tmp_path, balancer):
     names = [k for k in wb if not k.endswith("_extra_state")]
     assert_gradients_close(wa, wb, atol=1e-6, rtol=0, names=names)
     if balancer == "famo":  # its logits: extra state (its own Adam steps them, not the recipe's optimizer)
-        logits = [w["balancer._extra_state"][""]["_w"] for w in (wa, wb)]
+        logits = [unpack_state(w["balancer._extra_state"])[""]["_w"] for w in (wa, wb)]
         assert torch.allclose(*logits, atol=1e-6) and bool(logits[0].abs().sum() > 0)
     else:
         assert any(k.startswith("balancer.") for k in names)  # the balancer's state (DWA's weights, sᵢ) too
@@ -410,7 +411,7 @@ def test_a_stateful_rule_of_scope_rank_resumes_each_ranks_own_state_exactly(tmp_
         tmp_path / "resumed", *common, "trainer.max_steps=6", f"ckpt_path={first / 'checkpoints/last.ckpt'}"
     )
     a, b = (load_weights(run / "checkpoints/last.ckpt") for run in (straight, resumed))
-    states = a["balancer._extra_state"]["per_rank"]
+    states = unpack_state(a["balancer._extra_state"])["per_rank"]
     assert len(states) == 2 and not same_state(states[0], states[1])  # the ranks' own do differ
     assert same_state(a, b)
 

@@ -192,6 +192,17 @@ GAN_RESUMED = (
 SCHEDULE = ("scheduler=warmup_cosine", "model.scheduler.warmup_steps=4", "model.scheduler.total_steps=40")
 
 
+def test_a_stateful_rule_resumes_its_ranks_own_state_from_a_sharded_checkpoint(tmp_path):
+    """MoCo (``scope=rank``, the net held whole): each rank's K × n averages are its own; the sharded checkpoint holds
+    every rank's (packed as bytes: torch.distributed.checkpoint loads into the fresh module's structure, whose
+    averages are None before a step) and each rank resumes with its own: 3 + 3 steps end as 6 straight (0.0)."""
+    common = ("recipe=weighted", "balancer=moco", *SMALL_NET, "data.batch_size=32", *FSDP)
+    straight = _train(tmp_path / "straight", *common, "trainer.max_steps=6")
+    first = _train(tmp_path / "first", *common, "trainer.max_steps=3")
+    resumed = _train(tmp_path / "resumed", *common, "trainer.max_steps=6", f"ckpt_path={first}/checkpoints/last.ckpt")
+    assert _worst(straight, resumed) == 0.0
+
+
 def _signal_at(step: int) -> tuple[str, ...]:
     return ("+callbacks.signal._target_=tests.helpers.SignalAt", f"+callbacks.signal.step={step}")
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multiloss.balancers.protocol import GradientBalancer, GramianRule, own_rank_state
+from multiloss.balancers.protocol import GradientBalancer, GramianRule, own_rank_state, pack_state, unpack_state
 from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
 from multiloss.balancers.torchjd_state import has_state, load_state, state_of
 from multiloss.config import require
@@ -211,11 +211,11 @@ class StatefulJacobianDescent(JacobianDescent):
 
     state_per_rank = True
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return state_of(self.aggregator)
+    def get_extra_state(self) -> dict[str, bytes]:
+        return pack_state(state_of(self.aggregator))
 
-    def set_extra_state(self, state: dict[str, Any]) -> None:
-        load_state(self.aggregator, own_rank_state(state))
+    def set_extra_state(self, state: dict[str, bytes]) -> None:
+        load_state(self.aggregator, own_rank_state(unpack_state(state)))
 
 
 def _gramian_weighting(aggregator: Any) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multiloss.balancers.protocol import GradientBalancer, own_rank_state
+from multiloss.balancers.protocol import GradientBalancer, own_rank_state, pack_state, unpack_state
 from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
 from multiloss.config import require
 
@@ -61,11 +61,12 @@ class _MovingAverage(GradientBalancer):
 
     state_per_rank = True
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return {"steps": self.steps, "average": None if self.average is None else self.average.cpu(), **self._more()}
+    def get_extra_state(self) -> dict[str, bytes]:
+        average = None if self.average is None else self.average.cpu()
+        return pack_state({"steps": self.steps, "average": average, **self._more()})
 
-    def set_extra_state(self, state: dict[str, Any]) -> None:
-        state = own_rank_state(state)
+    def set_extra_state(self, state: dict[str, bytes]) -> None:
+        state = own_rank_state(unpack_state(state))
         self.steps = int(state["steps"])
         self.average = None if state["average"] is None else state["average"].clone()
         self._load_more(state)

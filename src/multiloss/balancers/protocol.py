@@ -10,6 +10,7 @@ with `Balanced.backward` whatever the balancer's kind.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,22 @@ class Balancer(nn.Module):
 
 
 PER_RANK = "per_rank"  # a checkpoint's extra state holding every rank's own (`GradientBalancer.checkpoint_extra_state`)
+
+
+PACKED = "packed"
+
+
+def pack_state(state: Any) -> dict[str, bytes]:
+    """A state whose structure changes as it runs (None until a first step, a K × n average after) as one bytes entry
+    (``torch.save``): FSDP2's sharded checkpoint loads each entry into the structure the fresh module's own state
+    has, which a None-then-tensor entry breaks; bytes stay bytes. Loads with ``weights_only=True`` as before."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return {PACKED: buffer.getvalue()}
+
+
+def unpack_state(packed: dict[str, bytes]) -> Any:
+    return torch.load(io.BytesIO(packed[PACKED]), map_location="cpu", weights_only=True)
 
 
 def own_rank_state(state: Any) -> Any:
@@ -238,7 +255,7 @@ class GradientBalancer(Balancer):
 
     state_per_rank = False  # True: with scope rank, each rank's state is its own (the stateful rules' averages)
 
-    def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, Any] | None:
+    def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, bytes] | None:
         """Every rank's own state (``state_per_rank`` rules at ``scope=rank`` on several ranks: one all-gather at a
         save), so that each rank resumes with its own — exact where rank zero's alone would not be."""
         if not (self.state_per_rank and self.scope == "rank" and dist.is_available() and dist.is_initialized()):
@@ -246,8 +263,8 @@ class GradientBalancer(Balancer):
         if dist.get_world_size() == 1:
             return None
         states: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(states, self.get_extra_state())
-        return {PER_RANK: states}
+        dist.all_gather_object(states, unpack_state(self.get_extra_state()))
+        return pack_state({PER_RANK: states})
 
     def rule_is_gramian(self) -> bool:
         """Whether this balancer's rule needs only the tasks' Gramian (it defines `gramian_rule`)."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multiloss.balancers.protocol import Balancer, Reduce
+from multiloss.balancers.protocol import Balancer, Reduce, pack_state, unpack_state
 from multiloss.balancers.torchjd_state import load_state, state_of
 from multiloss.config import require
 
@@ -98,12 +98,12 @@ class Scalarized(Balancer):
         self.scalarizer._prev_losses = before
         self.scalarizer.update(after)
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return state_of(self.scalarizer) if self.after_step_update else {}
+    def get_extra_state(self) -> dict[str, bytes]:
+        return pack_state(state_of(self.scalarizer) if self.after_step_update else {})
 
-    def set_extra_state(self, state: dict[str, Any]) -> None:
+    def set_extra_state(self, state: dict[str, bytes]) -> None:
         if self.after_step_update:
-            load_state(self.scalarizer, state)
+            load_state(self.scalarizer, unpack_state(state))
 
 
 def _is_list(value: Any) -> bool:
