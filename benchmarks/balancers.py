@@ -109,7 +109,9 @@ def delta_p_table(setup: list[str], balancers: list[str], seeds: list[int], over
     for balancer in balancers:
         values = [delta_p(run(setup, balancer, seed, overrides)[0], singles[seed], names) for seed in seeds]
         rows.append((f"`{balancer}`", values))
-        print(f"{balancer}: Δp {interval(values)[0]:+.2f} %", flush=True)
+        print(
+            f"{balancer}: Δp {interval(values)[0]:+.2f} % (seeds: {', '.join(f'{v:+.2f}' for v in values)})", flush=True
+        )
     tuned = []
     for weight in (1, 10, 30, 100):
         extra = [*overrides, f"model.tasks.ink.weight={weight}"]
