@@ -57,11 +57,12 @@ def load_state(module: nn.Module, state: dict[str, dict[str, Any]]) -> None:
         key = fields.get("_state_key")
         # Where the state lived (ExcessMTL's key names its device): a checkpoint loads onto the CPU.
         device = next((v for v in key if isinstance(v, torch.device)), None) if isinstance(key, tuple) else None
+        own_parameters = dict(target.named_parameters(recurse=False))
         for key, value in fields.items():
             value = _read(value, device)
-            if key in target._parameters:  # FAMO's logits: the Parameter its own optimizer holds
+            if key in own_parameters:  # FAMO's logits: the Parameter its own optimizer holds
                 with torch.no_grad():
-                    target._parameters[key].copy_(value)
+                    own_parameters[key].copy_(value)
             elif isinstance(value, dict) and "optimizer" in value:
                 optimizer = getattr(torch.optim, value["class"])(target.parameters())
                 optimizer.load_state_dict(value["optimizer"])
@@ -75,8 +76,9 @@ def load_state(module: nn.Module, state: dict[str, dict[str, Any]]) -> None:
 def _fields(module: nn.Module) -> dict[str, Any]:
     return {
         **{k: v for k, v in vars(module).items() if k not in _MODULE_OWN},
-        **module._parameters,  # FAMO's logits (its own Adam steps them)
-        **module._buffers,  # ExcessMTL registers its sums as buffers (None until its first call)
+        **dict(module.named_parameters(recurse=False)),  # FAMO's logits (its own Adam steps them)
+        # ExcessMTL registers its sums as buffers: None until its first call (then not listed: None is the fresh state)
+        **dict(module.named_buffers(recurse=False)),
     }
 
 
