@@ -42,9 +42,9 @@ def run_case(name: str, k: int, steps: int) -> dict[str, float]:
     from torch import nn
 
     from multiloss import testing
-    from multiloss.balancers import balance
     from multiloss.balancers.build import build_balancer
     from multiloss.nets import dense_blocks
+    from multiloss.testing import balancer_backward
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -59,12 +59,6 @@ def run_case(name: str, k: int, steps: int) -> dict[str, float]:
     balancer = build_balancer(spec, tasks, [1.0] * k, net, "model.balancer")
     optimizer = torch.optim.Adam([*net.parameters(), *balancer.parameters()], lr=1e-4)
     x, y = torch.randn(512, 256), torch.randint(0, 10, (k, 512))
-    whole = type("OneDevice", (), {"sharded": False, "held": {}})()
-
-    class Step:
-        @staticmethod
-        def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: object) -> None:
-            torch.autograd.backward(loss, grad_tensors=gradient)
 
     def losses() -> dict[str, torch.Tensor]:
         features = net.trunk(x)
@@ -76,8 +70,7 @@ def run_case(name: str, k: int, steps: int) -> dict[str, float]:
             base = _rss()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        balanced = balance(balancer, losses(), net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward)
-        balanced.backward(Step())
+        balancer_backward(balancer, losses(), net)
         optimizer.step()
         if balancer.after_step_update:
             with torch.no_grad():

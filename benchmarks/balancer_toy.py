@@ -73,8 +73,8 @@ def run(method: str, start: tuple[float, float], steps: int, lr: float) -> tuple
     from omegaconf import OmegaConf
 
     from multiloss import testing
-    from multiloss.balancers import balance
     from multiloss.balancers.build import build_balancer
+    from multiloss.testing import balancer_backward
 
     net = nn.Module()
     net.x = nn.Parameter(torch.tensor(start))
@@ -82,19 +82,12 @@ def run(method: str, start: tuple[float, float], steps: int, lr: float) -> tuple
     spec = OmegaConf.to_container(cfg.model.balancer, resolve=True)
     balancer = build_balancer(spec, ["f1", "f2"], [1.0, 1.0], net, "model.balancer")
     optimizer = torch.optim.Adam([net.x, *balancer.parameters()], lr=lr)
-    one = type("OneDevice", (), {"sharded": False, "held": {}})()
-
-    class Step:
-        @staticmethod
-        def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: object) -> None:
-            torch.autograd.backward(loss, grad_tensors=gradient)
-
     path = [tuple(net.x.tolist())]
     for _ in range(steps):
         optimizer.zero_grad()
         f = toy(net.x)
         losses = {"f1": f[0], "f2": f[1]}
-        balance(balancer, losses, net, one, 0, lambda t: t, lambda t: t, torch.autograd.backward).backward(Step())
+        balancer_backward(balancer, losses, net)
         optimizer.step()
         if balancer.after_step_update:
             with torch.no_grad():

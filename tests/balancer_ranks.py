@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multiloss.balancers import balance
 from multiloss.balancers.build import build_balancer
+from multiloss.testing import balancer_backward
 from tests.test_balancer_parity import BASE, TASKS, Net, _data, _losses
 
 STEPS, LR = 3, 0.05
@@ -37,12 +37,6 @@ def _average(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.clone()
     dist.all_reduce(tensor)
     return tensor / dist.get_world_size()
-
-
-class _Step:
-    @staticmethod
-    def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: object) -> None:
-        torch.autograd.backward(loss, grad_tensors=gradient)
 
 
 LAYER_STEPS: dict[str, int] = {}  # way -> the steps whose Gramian came layer by layer (the last method's run)
@@ -74,9 +68,7 @@ def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
         optimizer.zero_grad()
         block = held.step(True) if held is not None else _nothing()
         with block:
-            named = dict(zip(TASKS, _losses(net, x, y)[1]))
-            balanced = balance(balancer, named, net, parallelism, 0, mean, total, torch.autograd.backward)
-            balanced.backward(_Step())
+            balancer_backward(balancer, dict(zip(TASKS, _losses(net, x, y)[1])), net, parallelism, mean, total)
         if way == "ddp":
             for p in net.parameters():
                 p.grad = _average(p.grad) if p.grad is not None else _average(torch.zeros_like(p))

@@ -1,7 +1,7 @@
 """Every balancer method equals its reference: the net after 20 steps on fixed inputs, ≤ 1e-6 (float64).
 
-Our side runs the balancer protocol as the recipes do (`multiloss.balancers.balance`, then ``Balanced.backward``
-through a step that backwards, and FAMO's after-step update); the reference is the plain loop its authors' code
+Our side runs the balancer protocol as the recipes do (`multiloss.testing.balancer_backward`: `balance`, then
+``Balanced.backward``, and FAMO's after-step update); the reference is the plain loop its authors' code
 writes: torchjd called directly where torchjd is the reference (``S(losses).backward()`` for a scalarizer,
 ``mtl_backward`` + ``jac_to_grad`` for an aggregator), LibMTL's code transcribed below where LibMTL is (DB-MTL,
 MoCo, IMTL). Both sides draw the same random numbers (RLW's weights, GradVac's and GradDrop's draws): the global
@@ -14,14 +14,13 @@ import copy
 from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multiloss.balancers import balance
+from multiloss.testing import balancer_backward
 
 pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
 
@@ -55,28 +54,16 @@ def _losses(net: Net, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, l
     return h, [F.mse_loss(out, y[:, i]) * (i + 1) for i, out in enumerate(outs)]
 
 
-class _Step:
-    """What `Balanced.backward` needs of `multiloss.step.OptimizerStep` on one device, one micro-batch."""
-
-    @staticmethod
-    def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: object) -> None:
-        torch.autograd.backward(loss, grad_tensors=gradient)
-
-
 def _ours(balancer: nn.Module | Callable[[Net], nn.Module]) -> Net:
     """20 steps of the balancer protocol (``balancer``, or a function making it for the net)."""
     net = Net().double()
     balancer = (balancer if isinstance(balancer, nn.Module) else balancer(net)).double()
     x, y = _data()
     optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=LR)
-    whole = SimpleNamespace(sharded=False, held={})
     for step in range(STEPS):
         torch.manual_seed(100 + step)
         optimizer.zero_grad()
-        _, losses = _losses(net, x, y)
-        named = dict(zip(TASKS, losses))
-        balanced = balance(balancer, named, net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward)
-        balanced.backward(_Step())
+        balancer_backward(balancer, dict(zip(TASKS, _losses(net, x, y)[1])), net)
         optimizer.step()
         if balancer.after_step_update:
             with torch.no_grad():
@@ -327,12 +314,10 @@ def test_a_stateful_balancer_state_round_trips_through_a_checkpoint_file(tmp_pat
 def _continue(balancer: nn.Module, net: Net) -> None:
     x, y = _data()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    whole = SimpleNamespace(sharded=False, held={})
     for step in range(5):
         torch.manual_seed(200 + step)
         optimizer.zero_grad()
-        named = dict(zip(TASKS, _losses(net, x, y)[1]))
-        balance(balancer, named, net, whole, 0, lambda t: t, lambda t: t, torch.autograd.backward).backward(_Step())
+        balancer_backward(balancer, dict(zip(TASKS, _losses(net, x, y)[1])), net)
         optimizer.step()
         if balancer.after_step_update:
             with torch.no_grad():

@@ -451,3 +451,40 @@ def sgd_step(net: nn.Module, gradients: Mapping[str, torch.Tensor | None], lr: f
             if g is not None:
                 p -= lr * g
     return net
+
+
+# --- the balancer protocol outside a Trainer ------------------------------------------------------
+
+
+class _PlainStep:
+    """What `Balanced.backward` asks of `multiloss.step.OptimizerStep` outside a Trainer: the backward itself."""
+
+    @staticmethod
+    def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: Any) -> None:
+        torch.autograd.backward(loss, grad_tensors=gradient)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def balancer_backward(
+    balancer: Any,
+    losses: Mapping[str, torch.Tensor],
+    net: nn.Module,
+    parallelism: Any = None,
+    mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same,
+) -> None:
+    """One step's balancer protocol as the multi-task recipes run it, without a Trainer: `multiloss.balancers.balance`
+    (``parallelism``: one device unless given; the reductions: identities on one device), then its backward. The
+    caller steps the optimizer and, for an ``after_step_update`` balancer, hands it the recomputed losses."""
+    from types import SimpleNamespace
+
+    from multiloss.balancers import balance
+
+    one_device = SimpleNamespace(sharded=False, held={})
+    balanced = balance(
+        balancer, losses, net, parallelism or one_device, 0, mean_over_ranks, sum_over_ranks, torch.autograd.backward
+    )
+    balanced.backward(_PlainStep())

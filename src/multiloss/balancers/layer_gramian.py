@@ -34,7 +34,7 @@ class LayerGramian:
 
     def __init__(self, net: nn.Module) -> None:
         self.layers = [m for m in net.modules() if isinstance(m, nn.Linear)]
-        self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in self.layers}
+        self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by the module's id, at its forward
         self._said = False
         self.steps = 0  # the steps whose Gramian came from the layers (what a test or a benchmark reads)
         for layer in self.layers:
@@ -42,11 +42,10 @@ class LayerGramian:
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            self.calls.setdefault(id(module), []).append((args[0], output))  # (a deep copy's modules: new ids)
+            self.calls.setdefault(id(module), []).append((args[0], output))
 
     def clear(self) -> None:
-        for calls in self.calls.values():
-            calls.clear()
+        self.calls.clear()
 
     def covers(self, shared: Sequence[nn.Parameter]) -> bool:
         """Whether every shared parameter is a Linear layer's weight or bias (else say once which is not)."""

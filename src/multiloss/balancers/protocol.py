@@ -249,7 +249,6 @@ class GradientBalancer(Balancer):
         self._shared_built = None if shared is None else select_parameters(net, shared)
         self._mean_over_ranks: Reduce | None = None
         # The Gramian layer by layer (`layer_gramian`): for a rule that needs only the Gramian, each rank's own.
-        self.gramian = gramian
         uses_layers = gramian == "layers" and net is not None and scope == "rank" and self.rule_is_gramian()
         self._layers = LayerGramian(net) if uses_layers else None
 
