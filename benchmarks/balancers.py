@@ -4,6 +4,7 @@
     python benchmarks/balancers.py --experiment digit_pairs          # two competing tasks (MultiMNIST-style)
     python benchmarks/balancers.py --balancers fixed pcgrad --seeds 0 --override trainer.max_epochs=3
     python benchmarks/balancers.py --delta-p --seeds 0 1 2 3 4       # LibMTL's Δp against single-task runs, 95 % CI
+    python benchmarks/balancers.py --delta-p --experiment task_regression --override data.correlation=0.9
 
 Each run is the recipe's default (``python train.py recipe=weighted balancer=<name> seed=<s>``, or
 ``experiment=<name>``), quiet, in a temporary run dir. Time per batch is the median of
@@ -91,11 +92,21 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
 
 
-def delta_p_table(setup: list[str], balancers: list[str], seeds: list[int], overrides: list[str]) -> None:
+# The tuned fixed's budget, per setup: one key, four values (a method's defaults get no tuning either).
+TUNING = {
+    "recipe=weighted": "model.tasks.ink.weight=1,10,30,100",
+    "experiment=digit_pairs": "model.tasks.right.weight=0.5,1,2,4",
+    "experiment=task_regression": "model.optimizer.lr=0.001,0.003,0.01,0.03",
+}
+
+
+def delta_p_table(
+    setup: list[str], balancers: list[str], seeds: list[int], overrides: list[str], tune: str | None
+) -> None:
     """Each task trained alone (the others' weights 0, per seed), then every balancer: Δp per seed, mean ± 95 % CI.
-    A tuned ``fixed`` gets the same budget as a method's defaults: the ink task's weight from {1, 10, 30, 100}, the
-    best mean Δp over the seeds (reported as such: it has seen the seeds it is scored on)."""
-    tasks = ("digit", "parity", "ink")
+    A tuned ``fixed`` gets a budget of four runs per seed (``tune``: ``key=v1,v2,...``), the best mean Δp over the
+    seeds (reported as such: it has seen the seeds it is scored on)."""
+    tasks = list(testing.compose(*setup, *overrides).model.tasks)
     singles = {}
     for seed in seeds:
         merged: dict[str, float] = {}
@@ -112,18 +123,22 @@ def delta_p_table(setup: list[str], balancers: list[str], seeds: list[int], over
         print(
             f"{balancer}: Δp {interval(values)[0]:+.2f} % (seeds: {', '.join(f'{v:+.2f}' for v in values)})", flush=True
         )
-    tuned = []
-    for weight in (1, 10, 30, 100):
-        extra = [*overrides, f"model.tasks.ink.weight={weight}"]
-        tuned.append((weight, [delta_p(run(setup, "fixed", s, extra)[0], singles[s], names) for s in seeds]))
-    weight, values = max(tuned, key=lambda t: statistics.mean(t[1]))
-    rows.append((f"`fixed`, ink weight tuned ({weight})", values))
-    print(f"\n{' '.join(setup)}, seeds {seeds}: Δp (%) against each task trained alone, mean ± 95 % CI (t)")
+    tune = tune or TUNING.get(" ".join(setup))
+    if tune:
+        key, _, grid = tune.partition("=")
+        tuned = []
+        for value in grid.split(","):
+            extra = [*overrides, f"{key}={value}"]
+            tuned.append((value, [delta_p(run(setup, "fixed", s, extra)[0], singles[s], names) for s in seeds]))
+        value, values = max(tuned, key=lambda t: statistics.mean(t[1]))
+        rows.append((f"`fixed`, tuned ({key}={value})", values))
+    where = " ".join([*setup, *overrides])
+    print(f"\n{where}, seeds {seeds}: Δp (%) against each task trained alone, mean ± 95 % CI (t)")
     print("| balancer | Δp % | 95 % CI | per seed |")
     print("|---|---:|---:|---|")
     for label, values in rows:
         mean, half = interval(values)
-        print(f"| {label} | {mean:+.2f} | ± {half:.2f} | {', '.join(f'{v:+.1f}' for v in values)} |")
+        print(f"| {label} | {mean:+.2f} | ± {half:.2f} | {', '.join(f'{v:+.1f}' for v in values)} |", flush=True)
 
 
 def main() -> None:
@@ -135,12 +150,13 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides for every run")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--delta-p", action="store_true", help="LibMTL's Δp against single-task runs (weighted)")
+    parser.add_argument("--delta-p", action="store_true", help="LibMTL's Δp against single-task runs")
+    parser.add_argument("--tune", default=None, help="the tuned fixed's grid, key=v1,v2,... (default: per setup)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     setup = [f"experiment={args.experiment}"] if args.experiment else ["recipe=weighted"]
     if args.delta_p:
-        delta_p_table(setup, args.balancers, args.seeds, args.override)
+        delta_p_table(setup, args.balancers, args.seeds, args.override, args.tune)
         return
 
     monitored, _ = run(setup, "fixed", args.seeds[0], [*args.override, "monitor=conflicts"])

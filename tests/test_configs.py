@@ -84,6 +84,9 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
         "net/digit_pairs_mlp.yaml": ["experiment=digit_pairs"],
         "tasks/digit_pairs.yaml": ["experiment=digit_pairs"],
         "data/digit_pairs.yaml": ["experiment=digit_pairs"],
+        "net/regression_mlp.yaml": ["experiment=task_regression"],
+        "tasks/regression.yaml": ["experiment=task_regression"],
+        "data/task_regression.yaml": ["experiment=task_regression"],
     }
     if rel.startswith("hparams_search/") and not HAS_OPTUNA_SWEEPER:
         pytest.skip("the optuna extra (hydra-optuna-sweeper) is not installed")

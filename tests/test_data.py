@@ -8,7 +8,13 @@ import torch
 
 from multiloss.batches import as_dict
 from multiloss.config import ConfigError
-from multiloss.data import DigitPairsDataModule, DigitsDataModule, NpzDataModule, TextDataModule
+from multiloss.data import (
+    DigitPairsDataModule,
+    DigitsDataModule,
+    NpzDataModule,
+    TaskRegressionDataModule,
+    TextDataModule,
+)
 from multiloss.data.vocabulary import Vocabulary
 
 
@@ -65,6 +71,32 @@ def test_digit_pairs_hold_both_digits_with_their_classes():
     with pytest.raises(ConfigError) as err:
         DigitPairsDataModule(offset=5)
     assert err.value.key == "offset"
+
+
+def test_task_regression_has_the_correlation_it_is_given():
+    """MMoE's construction: the K weight vectors have pairwise cosine ρ and norm c; each target is wₖ·x plus the
+    shared sines of wₖ·x (recomputed here from the weights); more ρ, more correlated targets; data_seed alone."""
+    for rho in (0.0, 0.3, 1.0):
+        data = TaskRegressionDataModule(n_tasks=5, correlation=rho, in_features=8, scale=2.0, noise=0.0, n_sines=0)
+        w = data.task_weights()
+        cos = torch.nn.functional.cosine_similarity(w[:, None], w[None], dim=-1)
+        off = ~torch.eye(5, dtype=torch.bool)
+        assert torch.allclose(cos[off], torch.full((20,), rho, dtype=torch.float64), atol=1e-12)
+        assert torch.allclose(w.norm(dim=1), torch.full((5,), 2.0, dtype=torch.float64))
+        arrays = data.load()
+        assert set(arrays) == {"x", "y0", "y1", "y2", "y3", "y4"} and arrays["x"].shape == (4000, 8)
+        assert torch.allclose(arrays["y3"], (arrays["x"].double() @ w[3]).float(), atol=1e-5)  # no sines, no noise
+    correlations = []
+    for rho in (0.1, 0.9):
+        y = TaskRegressionDataModule(correlation=rho).load()
+        correlations.append(torch.corrcoef(torch.stack([y[f"y{k}"] for k in range(4)]))[0, 1:].mean().item())
+    assert correlations[0] < 0.3 < 0.7 < correlations[1]
+    assert torch.equal(TaskRegressionDataModule(seed=5).load()["y2"], TaskRegressionDataModule(seed=6).load()["y2"])
+    assert not torch.equal(TaskRegressionDataModule(data_seed=1).load()["y2"], TaskRegressionDataModule().load()["y2"])
+    for key, value in (("correlation", 1.5), ("n_tasks", 0), ("in_features", 4), ("noise", -1.0)):
+        with pytest.raises(ConfigError) as err:
+            TaskRegressionDataModule(**{key: value})
+        assert err.value.key == key
 
 
 def test_training_order_is_a_function_of_seed_and_epoch():

@@ -3,6 +3,7 @@
 from multiloss.data.arrays import ArrayDataModule
 from multiloss.data.digits import DigitPairsDataModule, DigitsDataModule
 from multiloss.data.npz import NpzDataModule
+from multiloss.data.regression import TaskRegressionDataModule
 from multiloss.data.text import TextDataModule, Vocabulary
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "DigitPairsDataModule",
     "DigitsDataModule",
     "NpzDataModule",
+    "TaskRegressionDataModule",
     "TextDataModule",
     "Vocabulary",
 ]
