@@ -33,25 +33,26 @@ the whole module and waits for every parameter's gradient, still needs
 ``trainer.strategy=ddp_find_unused_parameters_true``; the split is what lets a leaner sync do
 without it.)
 
-WGAN-GP's gradient penalty is the other double backward here: ‖∇ₓD(x̂)‖ is itself a
+A gradient penalty (WGAN-GP's, R1, R2) is the other double backward here: ‖∇ₓD(x)‖ is itself a
 function of D's weights, so ``torch.autograd.grad(..., create_graph=True)`` keeps the graph of that
 gradient to differentiate it again; without ``create_graph`` the penalty is a constant to autograd
 and D's weights silently get no gradient from it (a finite-difference check in the tests).
 
     python train.py recipe=gan                     # WGAN-GP on 8 Gaussians on a ring
     python train.py recipe=gan data=gaussians25    # 25 on a grid
-    python train.py recipe=gan model.loss=nonsaturating model.gp_weight=0 model.n_critic=1
+    python train.py recipe=gan model.loss=nonsaturating model.penalty=none model.n_critic=1
+    python train.py recipe=gan model.loss=relativistic model.penalty=r1 model.penalty_weight=0.05 model.penalty_every=16
     python train.py recipe=gan data=digits model.data_dim=64 model.latent_dim=16
     python train.py --config-dir my_configs recipe=gan generator=my_gen discriminator=my_critic
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from multiloss.batches import require_keys
@@ -60,9 +61,21 @@ from multiloss.component_check import call_component, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
+from multiloss.gan_objectives import (
+    LOSSES,
+    PAIRED,
+    PENALTIES,
+    correct_betas,
+    discriminator_terms,
+    lazy_ratio,
+    penalty,
+)
+from multiloss.gan_objectives import generator_loss as generator_loss_of
+from multiloss.generator_ema import GeneratorEMA
 from multiloss.metrics import ModeCoverage
 from multiloss.module import Recipe
-from multiloss.saved_state import NOISE_KEY
+from multiloss.precision import grad_scaler
+from multiloss.saved_state import D_STEPS_KEY, NOISE_KEY
 
 
 def _batch_norms(module: nn.Module) -> list[str]:
@@ -79,39 +92,17 @@ def _batch_norms(module: nn.Module) -> list[str]:
     return [name or "(itself)" for name, m in module.named_modules() if isinstance(m, kinds)]
 
 
-LOSSES = ("nonsaturating", "bce", "wgan-gp")
+@dataclass
+class _DMicroBatch:
+    """What one micro-batch of D's step used: G's lazy-penalty step, same_z and the relativistic pairing reuse it."""
+
+    z: torch.Tensor
+    real: torch.Tensor
+    fake: torch.Tensor  # detached
+    eps: torch.Tensor
 
 
-def bce(probabilities: torch.Tensor, label: float) -> torch.Tensor:
-    """``nn.BCELoss()(probabilities, <label everywhere>)``, the form dcgan/main.py computes (its label tensor filled
-    with 1 or 0), outside autocast (BCE on probabilities is not autocast-safe: fp32 here under mixed precision)."""
-    with torch.autocast(probabilities.device.type, enabled=False):
-        p = probabilities.float()
-        try:
-            return F.binary_cross_entropy(p, torch.full_like(p, label))
-        except RuntimeError as err:  # torch's own range check: no extra host read a step
-            if "between 0 and 1" not in str(err):
-                raise
-            raise ConfigError(
-                "model.loss",
-                "bce",
-                "a discriminator that ends in a Sigmoid (probabilities) with loss=bce, or model.loss=nonsaturating "
-                "for one that returns logits (the same loss, on logits)",
-                "the discriminator's scores left [0, 1]",
-            ) from None
-
-
-def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """E[(‖∇ₓ̂ critic(x̂)‖₂ − 1)²] at x̂ = ε·real + (1−ε)·fake (Gulrajani et al., 2017).
-
-    ``create_graph=True``: the penalty is a function of a gradient, and its own gradient w.r.t. the
-    critic's weights needs the graph of that gradient (a double backward).
-    """
-    eps = eps.view(-1, *[1] * (real.dim() - 1))  # one ε per sample, whatever the sample's shape
-    x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
-    # Summing is exact when each score depends on its own sample only (no BatchNorm in the critic).
-    (grad,) = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
-    return ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+EMA_KEYS = ("half_life_images", "rampup", "decay", "start_step")  # model.g_ema's (multiloss.generator_ema)
 
 
 class GAN(Recipe):
@@ -123,7 +114,7 @@ class GAN(Recipe):
             returns samples of the data's sample shape (checked at setup).
         discriminator (group ``discriminator``, default ``mlp``): ``discriminator(x)`` returns one
             score (a logit; with ``loss=bce`` a probability) per sample, shape ``(batch,)`` or
-            ``(batch, 1)``. No BatchNorm with ``gp_weight`` > 0 (the penalty needs each sample's own
+            ``(batch, 1)``. No BatchNorm with a ``penalty`` (the penalty needs each sample's own
             gradient; refused at setup); without a penalty BatchNorm is fine (DCGAN's), though split
             batches then stop being one batch.
         g_optimizer, d_optimizer (options of the ``optimizer`` group, default ``adam_gan``).
@@ -148,14 +139,23 @@ class GAN(Recipe):
     tutorial's ``fake.detach()`` example; k = 1 only). Under DDP each network syncs only its own
     step's last micro-batch, whichever noise it runs on. Each schedule follows its optimizer's steps
     (the default ``linear_decay``: both rates fall linearly to 0 by ``trainer.max_epochs``, one step
-    per epoch; ``scheduler=constant`` keeps them). ``trainer.max_steps`` counts both optimizers' steps.
+    per epoch; ``scheduler=constant`` keeps them). ``trainer.max_steps`` counts both optimizers' steps (not the
+    lazy penalty's extra D steps).
 
-    Losses: ``nonsaturating`` (D: softplus(−D(x)) + softplus(D(G(z))); G: softplus(−D(G(z))), on D's logits),
-    ``bce`` (the same function on D's probabilities — a D that ends in a Sigmoid — as dcgan/main.py writes it:
-    ``nn.BCELoss`` against labels 1 and 0, D's real and fake terms backwarded one after the other; the DCGAN
-    script to the bit, where the logits form drifts from it by rounding) or ``wgan-gp`` (critic: D(G(z)) − D(x) +
-    λ·GP; G: −D(G(z))). ``gp_weight`` = λ > 0 adds the gradient penalty E[(‖∇D(x̂)‖ − 1)²] on random interpolates
-    x̂ (with any loss; 0 = off).
+    Losses (``loss``; formulas in `multiloss.gan_objectives.discriminator_terms`): ``nonsaturating`` (on D's
+    logits), ``bce`` (the same function on D's probabilities — a D that ends in a Sigmoid — as dcgan/main.py writes
+    it: ``nn.BCELoss`` against labels 1 and 0, D's real and fake terms backwarded one after the other; the DCGAN
+    script to the bit, where the logits form drifts from it by rounding), ``wgan-gp`` (the Wasserstein critic),
+    ``hinge``, ``lsgan`` and ``relativistic`` (RpGAN: each generated sample against the real sample of its row; G's
+    step scores the reals of D's matching micro-batch once more).
+
+    Penalties (``penalty``, weight ``penalty_weight``; `multiloss.gan_objectives.penalty`): ``gp``, λ·E[(‖∇D(x̂)‖ −
+    1)²] at random interpolates x̂ (WGAN-GP); ``r1``, γ/2·E[‖∇D(x)‖²] on the data; ``r2``, the same on the generated
+    samples; ``none``. ``penalty_every`` = 1 adds it to every D step's loss; N > 1 is stylegan2-ada's lazy
+    regularization: after every N-th D step one more D step of the penalty alone at N times its weight, on that
+    D step's samples, with D's optimizer corrected once at the start as stylegan2-ada does (lr × N/(N+1), each beta
+    to the power N/(N+1)). Under ``16-mixed`` the input gradient is taken on the GradScaler's scaled scores and
+    unscaled before the penalty (PyTorch's AMP recipe for gradient penalties).
 
     The training noise comes from the module's own generator, seeded with ``noise_seed`` (``${seed}``
     in the config) and saved in every checkpoint, drawn for the whole global batch and sharded like the
@@ -165,8 +165,15 @@ class GAN(Recipe):
     run keeps what model initialisation left of it, so the two would draw different noise from the
     same seed.
 
-    Logs per step ``loss/d`` (= ``loss/d_real`` + ``loss/d_fake`` + λ·``loss/gp``) and, on generator
-    steps, ``loss/g``; per epoch ``val/loss/d``, ``val/loss/g`` and, on Gaussian-mixture data,
+    Generator EMA (``g_ema``, off when null; `multiloss.generator_ema`): a frozen copy of G, moved toward G after
+    each G step — ``{half_life_images: h, rampup: r}`` (stylegan2-ada: a half-life in real images shown to D, all
+    ranks and micro-batches counted) or ``{decay: β, start_step: s}`` (StudioGAN) — its buffers copied from G.
+    Validation, the sample plots, ``multiloss-eval`` and ``forward`` (so a ``load_from_checkpoint`` module) sample
+    from it; it and its image count are in every checkpoint; sharded like G under FSDP2.
+
+    Logs per step ``loss/d`` (= its terms ``loss/d_real`` + ``loss/d_fake``, or ``loss/d_pair``, + the weighted
+    penalty ``loss/<penalty>``, which a lazy one logs on its own steps) and, on generator steps, ``loss/g``; per
+    epoch ``val/loss/d``, ``val/loss/g`` and, on Gaussian-mixture data,
     ``val/modes`` (modes hit) and ``val/high_quality`` (share of samples within 3σ of a mode) from
     a fixed evaluation noise. Writes ``samples/epoch_<n>.png`` (``n_plot_samples`` points) into the run
     dir at every epoch end (`multiloss.callbacks.GeneratedSamplesPlot`).
@@ -174,9 +181,11 @@ class GAN(Recipe):
     Raises:
         ConfigError: ``loss`` not one of ``LOSSES``; ``n_critic``, ``accumulate_grad_batches``, ``latent_dim`` or
             ``data_dim`` < 1;
-            ``gp_weight`` < 0, or 0 with ``loss=wgan-gp``; ``n_plot_samples`` < 0; ``g_input=same_fakes``
-            with ``accumulate_grad_batches`` > 1; the step options' checks (`multiloss.module.Recipe`); at
-            setup (before any step or write), a discriminator with BatchNorm and ``gp_weight`` > 0, a generator whose
+            ``penalty_every`` < 1; ``penalty`` not one of gp, r1, r2, none, or none with ``loss=wgan-gp``;
+            ``penalty_weight`` ≤ 0 with a penalty; ``penalty_every`` > 1 without one; ``n_plot_samples`` < 0;
+            ``g_input=same_fakes`` with ``accumulate_grad_batches`` > 1; the step options' checks
+            (`multiloss.module.Recipe`); at setup (before any step or write), a discriminator with BatchNorm and a
+            penalty, a generator whose
             samples do not have the data's shape (with the shipped ``mlp``: set ``model.data_dim`` to the
             data's feature count), a discriminator that does not give one score per sample, or (``loss=bce``)
             scores outside [0, 1]. A single
@@ -197,28 +206,57 @@ class GAN(Recipe):
         discriminator: Any,
         g_optimizer: Any = None,
         d_optimizer: Any = None,
-        loss: Literal["nonsaturating", "bce", "wgan-gp"] = "nonsaturating",
+        loss: Literal["nonsaturating", "bce", "wgan-gp", "hinge", "lsgan", "relativistic"] = "nonsaturating",
         n_critic: int = 1,
-        gp_weight: float = 0.0,
+        penalty: Literal["gp", "r1", "r2", "none"] = "none",
+        penalty_weight: float = 0.0,
+        penalty_every: int = 1,
         latent_dim: int = 2,
         data_dim: int = 2,
         n_plot_samples: int = 1000,
         noise_seed: int = 0,
         g_input: Literal["fresh", "same_fakes", "same_z"] = "fresh",
         g_step_after: Literal["last", "first"] = "last",
+        g_ema: dict[str, Any] | None = None,
+        gp_weight: float | None = None,  # before penalty/penalty_weight: read from older checkpoints' hyperparameters
         **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
         super().__init__(**step_options)
-        for key, value in (("n_critic", n_critic), ("latent_dim", latent_dim), ("data_dim", data_dim)):
-            require(value >= 1, key, value, "an integer ≥ 1")
+        if gp_weight is not None:  # the one-key form of older runs: gp_weight=λ was penalty=gp at λ (0: none)
+            require(
+                penalty == "none",
+                "gp_weight",
+                gp_weight,
+                "unset with model.penalty (model.penalty=gp model.penalty_weight=<λ> is what gp_weight=<λ> was)",
+            )
+            penalty, penalty_weight = ("gp" if gp_weight else "none"), gp_weight
+        for key, value in (
+            ("n_critic", n_critic),
+            ("latent_dim", latent_dim),
+            ("data_dim", data_dim),
+            ("penalty_every", penalty_every),
+        ):
+            require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
         require(loss in LOSSES, "loss", loss, ", ".join(LOSSES))
-        require(gp_weight >= 0, "gp_weight", gp_weight, "a number ≥ 0 (0 = no gradient penalty)")
+        require(penalty in PENALTIES, "penalty", penalty, ", ".join(PENALTIES))
         require(
-            loss != "wgan-gp" or gp_weight > 0,
-            "gp_weight",
-            gp_weight,
-            "a positive number with loss=wgan-gp (e.g. 0.1; the Wasserstein critic needs the penalty to stay "
-            "Lipschitz), or loss=nonsaturating / bce",
+            penalty_weight > 0 if penalty != "none" else penalty_weight >= 0,
+            "penalty_weight",
+            penalty_weight,
+            f"a positive number with penalty={penalty} (λ for gp, γ for r1/r2), or model.penalty=none",
+        )
+        require(
+            loss != "wgan-gp" or penalty != "none",
+            "penalty",
+            penalty,
+            "gp (or r1/r2) with loss=wgan-gp (the Wasserstein critic needs a penalty to stay Lipschitz: "
+            "model.penalty=gp model.penalty_weight=0.1), or another model.loss",
+        )
+        require(
+            penalty_every == 1 or penalty != "none",
+            "penalty_every",
+            penalty_every,
+            "1 with penalty=none (it is the lazy penalty's interval)",
         )
         require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
         require(g_input in ("fresh", "same_fakes", "same_z"), "g_input", g_input, "fresh, same_fakes or same_z")
@@ -239,27 +277,45 @@ class GAN(Recipe):
         self.save_hyperparameters(ignore=given, logger=False)
         self.g_optimizer_factory = build_optimizer_factory(g_optimizer, "g_optimizer")
         self.d_optimizer_factory = build_optimizer_factory(d_optimizer, "d_optimizer")
-        self.loss, self.n_critic, self.gp_weight = loss, n_critic, gp_weight
+        self.loss, self.n_critic = loss, n_critic
+        self.penalty, self.penalty_weight, self.penalty_every = penalty, penalty_weight, penalty_every
         self.latent_dim, self.n_plot_samples, self.noise_seed = latent_dim, n_plot_samples, noise_seed
         self.g_input, self.g_step_after = g_input, g_step_after
-        self._d_step_noise: list[torch.Tensor] = []  # same_z: the noise of the D step's micro-batches so far
+        self._d_micro: list[_DMicroBatch] = []  # the D step's micro-batches so far (same_z, relativistic, lazy)
+        self.d_steps = 0  # D's (counted) steps so far, checkpointed: the lazy penalty's phase
         self._noise: torch.Generator | None = None  # made on first use, on the module's device
         self._noise_state: torch.Tensor | None = None  # from a checkpoint, applied when it is made
 
         self.generator = build_module(generator, "generator")
         self.discriminator = build_module(discriminator, "discriminator")
+        g_ema = to_plain(g_ema)
+        require(g_ema is None or isinstance(g_ema, dict), "g_ema", g_ema, "a mapping of the EMA's keys, or null (off)")
+        if g_ema is not None:
+            unknown = sorted(set(g_ema) - set(EMA_KEYS))
+            require(not unknown, f"g_ema.{unknown[0] if unknown else ''}", g_ema, f"keys {', '.join(EMA_KEYS)}")
+        # The average sits beside G: sharded like it under FSDP2 (a component of its own), never wrapped by DDP (it
+        # is not trained; the ranks' copies stay equal because their G's do).
+        self.generator_ema = GeneratorEMA(self.generator, **g_ema) if g_ema is not None else None
+        if self.generator_ema is not None:
+            self.components = (*self.components, "generator_ema")
         self.sample_shape: tuple[int, ...] | None = None  # a data sample's shape, seen by the component check
         self.mode_coverage: ModeCoverage | None = None  # made by the component check when the data has modes
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
 
     def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
-        # The penalty differentiates ∇D(x̂) again (create_graph): a double backward through the critic.
-        return ("discriminator",) if self.gp_weight > 0 else ()
+        # The penalty differentiates ∇D(x) again (create_graph): a double backward through the critic.
+        return ("discriminator",) if self.penalty != "none" else ()
 
     def not_compilable(self, name: str) -> str:
-        if name == "discriminator" and self.gp_weight > 0:
+        if name == "discriminator" and self.penalty != "none":
             return "the gradient penalty differentiates its gradient, a double backward torch.compile does not support"
         return ""
+
+    def lr_rule(self, optimizer: Any) -> tuple[float, dict[str, Any]]:
+        # The lazy penalty's extra D step: stylegan2-ada's lr × N/(N+1) (its betas: configure_optimizers).
+        if self.penalty_every > 1 and optimizer.param_groups[0].get("name") == "discriminator":
+            return lazy_ratio(self.penalty_every), {"model.penalty_every": self.penalty_every}
+        return 1.0, {}
 
     def configure_optimizers(self) -> list[Any]:
         for key, factory in (("g_optimizer", self.g_optimizer_factory), ("d_optimizer", self.d_optimizer_factory)):
@@ -270,6 +326,8 @@ class GAN(Recipe):
         # Named param groups: LearningRateMonitor logs `lr-<Optimizer>/generator` and `.../discriminator`.
         opt_g = self.g_optimizer_factory([{"params": self.generator.parameters(), "name": "generator"}])
         opt_d = self.d_optimizer_factory([{"params": self.discriminator.parameters(), "name": "discriminator"}])
+        if self.penalty_every > 1:
+            correct_betas(opt_d, lazy_ratio(self.penalty_every))
         return [self.with_schedule(opt_g, "model.g_optimizer"), self.with_schedule(opt_d, "model.d_optimizer")]
 
     def output_callbacks(self) -> list[L.Callback]:
@@ -310,12 +368,13 @@ class GAN(Recipe):
                     "model.loss=nonsaturating for one that returns logits (the same loss, on logits)",
                     f"for {what} samples its scores reach {float(scores.min()):.3g}..{float(scores.max()):.3g}",
                 )
-        if self.gp_weight > 0 and (norms := _batch_norms(self.discriminator)):
+        if self.penalty != "none" and (norms := _batch_norms(self.discriminator)):
             raise ConfigError(
                 "model.discriminator",
                 critic,
-                "a discriminator without BatchNorm while model.gp_weight > 0 (the penalty needs each sample's own "
-                "gradient ∇D(x̂), and BatchNorm mixes a batch's samples), or model.gp_weight=0 (DCGAN's loop)",
+                f"a discriminator without BatchNorm with model.penalty={self.penalty} (the penalty needs each "
+                "sample's own gradient ∇D(x), and BatchNorm mixes a batch's samples), or model.penalty=none "
+                "(DCGAN's loop)",
                 f"it has BatchNorm: {', '.join(norms[:3])}",
             )
         self.sample_shape = tuple(real.shape[1:])
@@ -351,44 +410,49 @@ class GAN(Recipe):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._noise is not None:
             checkpoint[NOISE_KEY] = self._noise.get_state()  # a uint8 tensor: weights_only loads it
+        checkpoint[D_STEPS_KEY] = self.d_steps
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._noise, self._noise_state = None, checkpoint.get(NOISE_KEY)
+        self.d_steps = checkpoint.get(D_STEPS_KEY, 0)  # (older checkpoints: none taken before the lazy penalty)
 
     def discriminator_losses(
-        self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None
+        self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None, *, with_penalty: bool = True
     ) -> dict[str, torch.Tensor]:
-        """D's loss ``d`` and its components; pass detached fakes, and ε (needed when ``gp_weight`` > 0)."""
+        """D's loss ``d`` and its terms (`multiloss.gan_objectives.discriminator_terms`); pass detached fakes. The
+        penalty is a term (``gp``, ``r1`` or ``r2``, times ``penalty_weight``) when it is on, ``with_penalty`` and
+        taken every step (``penalty_every`` = 1; the lazy one has its own step: `lazy_penalty_step`)."""
         # Through D's own DDP wrapper (when there is one): this backward's D gradients are averaged
         # across ranks, and it reaches no other parameters.
         critic = synced(self, "discriminator")
-        d_real, d_fake = critic(real), critic(fake)
-        if self.loss == "wgan-gp":
-            losses = {"d_real": -d_real.mean(), "d_fake": d_fake.mean()}
-        elif self.loss == "bce":  # D's probabilities: nn.BCELoss against labels 1 and 0, as dcgan/main.py
-            losses = {"d_real": bce(d_real, 1.0), "d_fake": bce(d_fake, 0.0)}
-        else:  # −log σ(D(x)) − log(1 − σ(D(G(z)))), written with softplus for stability
-            losses = {"d_real": F.softplus(-d_real).mean(), "d_fake": F.softplus(d_fake).mean()}
-        total = losses["d_real"] + losses["d_fake"]
-        if self.gp_weight > 0 and eps is not None:
-            losses["gp"] = gradient_penalty(critic, real, fake, eps)
-            total = total + self.gp_weight * losses["gp"]
+        losses = discriminator_terms(self.loss, critic(real), critic(fake))
+        total = sum(losses.values())
+        if with_penalty and self.penalty != "none" and self.penalty_every == 1:
+            losses[self.penalty] = self.penalty_value(critic, real, fake, eps)
+            total = total + self.penalty_weight * losses[self.penalty]
         return {**losses, "d": total}
 
-    def generator_loss(self, fake: torch.Tensor) -> torch.Tensor:
-        """G's loss through D: the non-saturating −log σ(D(G(z))) (``bce``: BCELoss of D's probability against
-        the label 1), or WGAN's −D(G(z)).
+    def penalty_value(
+        self, critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The penalty before its weight (`multiloss.gan_objectives.penalty`), under 16-mixed by AMP's recipe."""
+        scaler = grad_scaler(self.trainer.precision_plugin) if self.attached_trainer is not None else None
+        return penalty(self.penalty, critic, real, fake, eps, scaler)
+
+    def generator_loss(self, fake: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """G's loss through D (`multiloss.gan_objectives.generator_loss`); ``real``: the samples the relativistic loss
+        pairs with ``fake``, row by row.
 
         D is called directly, not through its DDP wrapper: its weights are frozen for this step, so
         no D gradient may be expected (or all-reduced) by this backward.
         """
-        d_fake = self.discriminator(fake)
-        if self.loss == "bce":
-            return bce(d_fake, 1.0)
-        return -d_fake.mean() if self.loss == "wgan-gp" else F.softplus(-d_fake).mean()
+        d_real = self.discriminator(real) if self.loss in PAIRED else None
+        return generator_loss_of(self.loss, self.discriminator(fake), d_real)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.generator(z)
+        """Samples for ``z``: from G_ema when ``g_ema`` is on (what validation, the sample plots, ``multiloss-eval``
+        and a module from ``load_from_checkpoint`` use), else from G."""
+        return self.generator_ema(z) if self.generator_ema is not None else self.generator(z)
 
     # --- training -------------------------------------------------------------------------------
 
@@ -410,11 +474,19 @@ class GAN(Recipe):
             d_losses = self.discriminator_losses(real, fake, eps)
             if self.loss == "bce":  # dcgan/main.py's two backward calls, real then fake (gradients summed in .grad)
                 d_step.backward(d_losses["d_real"], sync=False)  # the second one syncs the sum
-                d_step.backward(d_losses["d_fake"])
+                second = d_losses["d_fake"]
+                if self.penalty in d_losses:
+                    second = second + self.penalty_weight * d_losses[self.penalty]
+                d_step.backward(second)
             else:
                 d_step.backward(d_losses["d"])
             self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
-            self._d_step_noise.append(z)
+            self._d_micro.append(_DMicroBatch(z, real, fake, eps))
+            if self.generator_ema is not None:
+                self.generator_ema.count(len(real) * self.trainer.world_size)
+        if d_step.stepping:
+            self.lazy_penalty_step(opt_d)
+            self.d_steps += 1
 
         # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
         # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
@@ -422,13 +494,33 @@ class GAN(Recipe):
         with self.step_of(opt_g, stepping=g_steps, components=("generator",), toggle=g_steps) as g_step:
             g_losses = []
             for micro in g_step.micro_batches(self.accumulate_grad_batches if g_steps else 0):
-                g_loss = self.generator_loss(kept if kept is not None else self.generator_output(micro, len(real)))
+                fake = kept if kept is not None else self.generator_output(micro, len(real))
+                g_loss = self.generator_loss(fake, self._d_micro[micro].real if self.loss in PAIRED else None)
                 g_step.backward(g_loss)
                 g_losses.append(g_loss.detach())
             if g_losses:
                 self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
+        if g_steps and self.generator_ema is not None:
+            self.generator_ema.update(self.generator)  # after G's step: its new weights, and the images D saw
         if d_step.stepping:
-            self._d_step_noise = []  # the next D step's micro-batches start a new list
+            self._d_micro = []  # the next D step's micro-batches start a new list
+
+    def lazy_penalty_step(self, opt_d: Any) -> None:
+        """The lazy penalty (``penalty_every`` = N > 1), stylegan2-ada's ``Dreg`` phase: after every N-th D step
+        (the 0th, Nth, 2Nth… from the run's start, as its ``batch_idx % reg_interval == 0``), one more D step of
+        the penalty alone, times N (its ``gain``), on the D step's own micro-batches (reals, detached fakes, ε). Not
+        counted in ``trainer.global_step`` and moving no schedule (`multiloss.step.OptimizerStep`, ``counted``)."""
+        if self.penalty_every == 1 or self.d_steps % self.penalty_every:
+            return
+        with self.step_of(opt_d, stepping=True, components=("discriminator",), toggle=True, counted=False) as reg:
+            values = []
+            for micro in reg.micro_batches(len(self._d_micro)):
+                kept = self._d_micro[micro]
+                value = self.penalty_value(synced(self, "discriminator"), kept.real, kept.fake, kept.eps)
+                # Divided by the micro-batches taken (an epoch's last D step may have fewer than k).
+                reg.backward(self.penalty_every * self.penalty_weight * value / len(self._d_micro), scaled=True)
+                values.append(value.detach())
+            self.log_losses({self.penalty: torch.stack(values).mean()}, batch_size=len(self._d_micro[0].real))
 
     def generator_steps_after(self, batch_idx: int) -> bool:
         """Whether G steps after training batch ``batch_idx``: after D's n_critic-th step of a group (``last``), or
@@ -442,7 +534,7 @@ class GAN(Recipe):
     def generator_output(self, micro: int, n: int) -> torch.Tensor:
         """G's samples for micro-batch ``micro`` of its step: on fresh noise, or (``same_z``) on D's micro-batch's."""
         if self.g_input == "same_z":
-            z = self._d_step_noise[micro]
+            z = self._d_micro[micro].z
         else:
             z, _ = self.noise(n)
         return synced(self, "generator")(z)
@@ -458,8 +550,9 @@ class GAN(Recipe):
         batch = self.prepare_batch(batch)
         real = batch["x"]
         z = torch.randn(len(real), self.latent_dim, generator=self._eval_noise, device=self.device)
-        fake = self.generator(z)
-        losses = {"d": self.discriminator_losses(real, fake)["d"], "g": self.generator_loss(fake)}
+        fake = self(z)  # G_ema's samples when it is on
+        d_loss = self.discriminator_losses(real, fake, with_penalty=False)["d"]
+        losses = {"d": d_loss, "g": self.generator_loss(fake, real)}
         self.epoch_means.log(self, losses, f"{self.eval_prefix}/loss/", len(real))
         if self.mode_coverage is not None:
             self.mode_coverage.update(fake)

@@ -44,8 +44,8 @@ def _run(make_cfg, *overrides: str) -> tuple[GradientCapture, dict]:
 @pytest.mark.parametrize(
     "loss",
     [
-        ("model.loss=nonsaturating", "model.gp_weight=0", "model.n_critic=1"),
-        ("model.loss=wgan-gp", "model.gp_weight=0.5", "model.n_critic=1"),
+        ("model.loss=nonsaturating", "model.penalty=none", "model.n_critic=1"),
+        ("model.loss=wgan-gp", "model.penalty_weight=0.5", "model.n_critic=1"),
     ],
     ids=["nonsaturating", "wgan-gp"],
 )

@@ -35,7 +35,7 @@ FSDP, DDP = ("trainer=fsdp_cpu",), ("trainer=ddp_cpu",)
 QUIET_RUN = (*QUIET, "~callbacks.loss_curves", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=2")
 SMALL_NET = ("model.net.width=16", "data.shuffle=false")
 # The GAN on FSDP2's own schedule: no gradient penalty (with one, the critic is held whole: gan-wgan-gp below).
-GAN = ("recipe=gan", "model.loss=nonsaturating", "model.gp_weight=0", *SMALL_GAN, "model.n_plot_samples=0")
+GAN = ("recipe=gan", "model.loss=nonsaturating", "model.penalty=none", *SMALL_GAN, "model.n_plot_samples=0")
 RECIPES = {
     "multihead": ("recipe=multihead", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
     # Units by class (the trunk's blocks; the heads stay in the root's unit), each block's forward recomputed in
@@ -87,7 +87,7 @@ RECIPES = {
     "gan-wgan-gp": (
         "recipe=gan",
         "model.loss=wgan-gp",
-        "model.gp_weight=0.1",
+        "model.penalty_weight=0.1",
         "model.n_critic=2",
         "model.g_input=same_z",
         "model.accumulate_grad_batches=2",
@@ -182,7 +182,7 @@ def test_the_sharded_rule_is_one_devices_rule_on_the_global_batch(tmp_path, reci
 GAN_RESUMED = (
     "recipe=gan",
     "model.loss=wgan-gp",
-    "model.gp_weight=0.1",
+    "model.penalty_weight=0.1",
     *SMALL_GAN,
     "model.n_plot_samples=0",
     "data.n_samples=1536",

@@ -212,6 +212,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         components: tuple[str, ...] | None = None,
         toggle: bool = False,
         batch_done: bool = True,
+        counted: bool = True,
     ) -> OptimizerStep:
         """``with self.step_of(opt, batch_idx) as step: ... step.backward(loss)``: this micro-batch of ``optimizer``'s
         step, which steps on every ``accumulate_grad_batches``-th training batch and an epoch's last (``stepping``: the
@@ -219,7 +220,9 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         the block's (`multiloss.step.OptimizerStep`)."""
         if stepping is None:
             stepping = ends_optimizer_step(self, batch_idx)
-        return OptimizerStep(self, optimizer, stepping, components=components, toggle=toggle, batch_done=batch_done)
+        return OptimizerStep(
+            self, optimizer, stepping, components=components, toggle=toggle, batch_done=batch_done, counted=counted
+        )
 
     def clip_gradients(
         self,

@@ -40,6 +40,11 @@ def install(precision_plugin: Any) -> None:
     precision_plugin.scaler = replacement
 
 
+def grad_scaler(precision_plugin: Any) -> GradScaler | None:
+    """The GradScaler of ``16-mixed`` (None under any other precision): what a gradient penalty scales its scores by."""
+    return getattr(precision_plugin, "scaler", None)
+
+
 def unscale_for_clipping(precision_plugin: Any, optimizer: Any) -> None:
     """Divide ``optimizer``'s gradients by the loss scale, when there is one (16-mixed), before they are clipped."""
     scaler = getattr(precision_plugin, "scaler", None)

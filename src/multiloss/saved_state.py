@@ -25,6 +25,7 @@ LR_KEY = "multiloss_learning_rates"  # each optimizer's RatePlan: configured rat
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names the balancer was built for (built before the weights load)
 OLD_HEAD_COUNT_KEY = "multihead_heads"  # read only: multihead's head count in checkpoints older than TASKS_KEY
 NOISE_KEY = "gan_noise_state"  # the GAN's training-noise generator (a uint8 tensor: weights_only loads it)
+D_STEPS_KEY = "gan_d_steps"  # the GAN's discriminator steps so far: its lazy penalty's phase
 VOCABULARY_KEY = "vocab"  # the tbptt vocabulary its token ids mean
 CARRIED_KEY = "tbptt_carried_state"  # tbptt streams: every rank's state carried into the next batch
 
@@ -44,6 +45,7 @@ SAVED_KEYS = (
     SavedKey(LR_KEY, "multiloss.learning_rate"),
     SavedKey(TASKS_KEY, "multiloss.multitask"),
     SavedKey(NOISE_KEY, "multiloss.recipes.gan"),
+    SavedKey(D_STEPS_KEY, "multiloss.recipes.gan"),
     SavedKey(VOCABULARY_KEY, "multiloss.recipes.tbptt"),
     SavedKey(CARRIED_KEY, "multiloss.recipes.tbptt"),
 )

@@ -36,7 +36,10 @@ class OptimizerStep:
 
     ``stepping``: whether the step is taken at the block's end; ``components``: the networks whose held-whole
     gradients (FSDP2) this block hands over (None: every one held whole); ``batch_done``: whether the training batch
-    ends with this block (tbptt's last chunk), for an epoch-interval schedule.
+    ends with this block (tbptt's last chunk), for an epoch-interval schedule. ``counted=False``: an extra step
+    that is not one of the run's (the GAN's lazy regularization step): taken through the strategy and precision
+    plugin as any step (16-mixed's unscaling and skip), but not counted in ``trainer.global_step`` (so
+    ``trainer.max_steps`` keeps its meaning) and moving no schedule.
     """
 
     def __init__(
@@ -48,9 +51,10 @@ class OptimizerStep:
         components: tuple[str, ...] | None = None,
         toggle: bool = False,
         batch_done: bool = True,
+        counted: bool = True,
     ) -> None:
         self.recipe, self.optimizer, self.stepping = recipe, optimizer, stepping
-        self.components, self.toggle, self.batch_done = components, toggle, batch_done
+        self.components, self.toggle, self.batch_done, self.counted = components, toggle, batch_done, counted
         self.k = recipe.accumulate_grad_batches
         self.parallelism = recipe.parallelism
         self._open: list[Any] = []  # the blocks entered, exited in reverse (a step's few: no ExitStack per step)
@@ -103,10 +107,19 @@ class OptimizerStep:
             return False
         if self.stepping:
             self.recipe.clip_gradients(self.optimizer)
-            self.optimizer.step()
+            if self.counted:
+                self.optimizer.step()
+            else:  # the strategy's step of the torch optimizer: Lightning's wrapper is what counts a step
+                self.recipe.trainer.strategy.optimizer_step(getattr(self.optimizer, "optimizer", self.optimizer), _none)
             self.optimizer.zero_grad(set_to_none=True)
+        if not self.counted:
+            return False
         step_schedules(self.recipe.trainer, self.optimizer, self.stepping, self.batch_done)
         return False
+
+
+def _none() -> None:
+    """The closure of a manual step: the backward has run already."""
 
 
 def ends_optimizer_step(recipe: Any, batch_idx: int) -> bool:

@@ -403,25 +403,39 @@ def discriminator_gradients(
     real: torch.Tensor,
     fake: torch.Tensor,
     loss: str = "nonsaturating",
-    gp_weight: float = 0.0,
+    penalty: str = "none",
+    penalty_weight: float = 0.0,
     eps: torch.Tensor | None = None,
     prefix: str = "discriminator.",
 ) -> Gradients:
-    """D's step on detached fakes: −log σ(D(x)) − log(1 − σ(D(G(z)))) or D(G(z)) − D(x), + λ·(‖∇D(x̂)‖ − 1)²."""
+    """D's step on detached fakes, written from the papers' formulas: nonsaturating −log σ(D(x)) − log(1 − σ(D(G(z))));
+    wgan-gp D(G(z)) − D(x); hinge max(0, 1 − D(x)) + max(0, 1 + D(G(z))); lsgan ½(D(x) − 1)² + ½D(G(z))²;
+    relativistic −log σ(D(x) − D(G(z))) row by row; + λ·(‖∇D(x̂)‖ − 1)² (gp), γ/2·‖∇D(x)‖² (r1) or γ/2·‖∇D(G(z))‖²
+    (r2)."""
     D = copy.deepcopy(discriminator)
     D.zero_grad(set_to_none=True)
     fake = fake.detach()
-    if loss == "wgan-gp":
-        total = D(fake).mean() - D(real).mean()
-    else:
-        total = -torch.log(torch.sigmoid(D(real))).mean() - torch.log(1 - torch.sigmoid(D(fake))).mean()
-    if gp_weight:
-        assert eps is not None, "the gradient penalty needs ε"
-        e = eps.reshape(-1, *[1] * (real.dim() - 1))
-        x_hat = (e * real + (1 - e) * fake).requires_grad_(True)
-        scores = D(x_hat)
-        (grad,) = torch.autograd.grad(scores, x_hat, grad_outputs=torch.ones_like(scores), create_graph=True)
-        total = total + gp_weight * ((grad.reshape(len(grad), -1).pow(2).sum(dim=1).sqrt() - 1) ** 2).mean()
+    d_real, d_fake = D(real), D(fake)
+    total = {
+        "wgan-gp": lambda: d_fake.mean() - d_real.mean(),
+        "hinge": lambda: torch.clamp(1 - d_real, min=0).mean() + torch.clamp(1 + d_fake, min=0).mean(),
+        "lsgan": lambda: ((d_real - 1) ** 2).mean() / 2 + (d_fake**2).mean() / 2,
+        "relativistic": lambda: -torch.log(torch.sigmoid(d_real - d_fake)).mean(),
+        "nonsaturating": lambda: -torch.log(torch.sigmoid(d_real)).mean() - torch.log(1 - torch.sigmoid(d_fake)).mean(),
+    }[loss]()
+    if penalty != "none":
+        if penalty == "gp":
+            assert eps is not None, "the gradient penalty needs ε"
+            e = eps.reshape(-1, *[1] * (real.dim() - 1))
+            at = e * real + (1 - e) * fake
+        else:
+            at = real if penalty == "r1" else fake
+        at = at.detach().requires_grad_(True)
+        scores = D(at)
+        (grad,) = torch.autograd.grad(scores, at, grad_outputs=torch.ones_like(scores), create_graph=True)
+        norms = grad.reshape(len(grad), -1).pow(2).sum(dim=1)
+        value = ((norms.sqrt() - 1) ** 2).mean() if penalty == "gp" else norms.mean() / 2
+        total = total + penalty_weight * value
     total.backward()
     return _grads(D, prefix)
 
@@ -431,14 +445,24 @@ def generator_gradients(
     discriminator: nn.Module,
     z: torch.Tensor,
     loss: str = "nonsaturating",
+    real: torch.Tensor | None = None,
     prefix: str = "generator.",
 ) -> Gradients:
-    """G's step through D (whose weights get no gradient): −log σ(D(G(z))), or −D(G(z)) for WGAN."""
+    """G's step through D (whose weights get no gradient): −log σ(D(G(z))); −D(G(z)) for wgan-gp and hinge;
+    ½(D(G(z)) − 1)² for lsgan; −log σ(D(G(z)) − D(x)) row by row for relativistic (``real``: the paired x)."""
     G = copy.deepcopy(generator)
     D = copy.deepcopy(discriminator).requires_grad_(False)
     G.zero_grad(set_to_none=True)
     scores = D(G(z))
-    (-scores.mean() if loss == "wgan-gp" else -torch.log(torch.sigmoid(scores)).mean()).backward()
+    if loss in ("wgan-gp", "hinge"):
+        value = -scores.mean()
+    elif loss == "lsgan":
+        value = ((scores - 1) ** 2).mean() / 2
+    elif loss == "relativistic":
+        value = -torch.log(torch.sigmoid(scores - D(real))).mean()
+    else:
+        value = -torch.log(torch.sigmoid(scores)).mean()
+    value.backward()
     return _grads(G, prefix)
 
 

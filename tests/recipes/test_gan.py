@@ -15,11 +15,11 @@ import lightning as L
 import pytest
 import torch
 from hydra.utils import instantiate
-from multiloss.recipes.gan import gradient_penalty
 
 from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
 from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
+from multiloss.gan_objectives import penalty as gan_penalty
 from multiloss.metrics import ModeCoverage
 from multiloss.nets import MLP
 from multiloss.testing import assert_gradients_close
@@ -37,8 +37,8 @@ QUICK = (
     "model.n_plot_samples=0",
 )
 # The two losses, one critic step per generator step (the shipped default is wgan-gp with n_critic=2).
-NS = ("model.loss=nonsaturating", "model.gp_weight=0", "model.n_critic=1")
-GP = ("model.loss=wgan-gp", "model.gp_weight=0.5", "model.n_critic=1")
+NS = ("model.loss=nonsaturating", "model.penalty=none", "model.n_critic=1")
+GP = ("model.loss=wgan-gp", "model.penalty_weight=0.5", "model.n_critic=1")
 # SGD for D, so a reference can apply D's step by hand.
 SGD_D = ("optimizer@model.d_optimizer=sgd",)
 
@@ -151,7 +151,8 @@ def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
     z, eps = rows[:, :latent], 0.5 * (1 + torch.erf(rows[:, latent:] / math.sqrt(2)))
     with torch.no_grad():
         fake = G(z)
-    d_loss = _reference_d_loss(D, real, fake, eps, cfg.model.loss, cfg.model.gp_weight)
+    gp_weight = cfg.model.penalty_weight if cfg.model.penalty == "gp" else 0.0
+    d_loss = _reference_d_loss(D, real, fake, eps, cfg.model.loss, gp_weight)
     d_grads = _named_grads(d_loss, D, "discriminator")
     assert_gradients_close(_part(d_step["grads"], "discriminator"), d_grads, atol=1e-6)
 
@@ -166,10 +167,20 @@ def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
     assert_gradients_close(_part(g_step["grads"], "generator"), g_grads, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss", [NS, GP], ids=["nonsaturating", "wgan-gp"])
+MODERN = {
+    "hinge+r1": ("model.loss=hinge", "model.penalty=r1", "model.penalty_weight=0.7", "model.n_critic=1"),
+    "lsgan+r2": ("model.loss=lsgan", "model.penalty=r2", "model.penalty_weight=0.3", "model.n_critic=1"),
+    "relativistic+r1": ("model.loss=relativistic", "model.penalty=r1", "model.penalty_weight=2", "model.n_critic=1"),
+    "nonsaturating+gp": ("model.loss=nonsaturating", "model.penalty=gp", "model.penalty_weight=.5", "model.n_critic=1"),
+}
+
+
+@pytest.mark.parametrize("loss", [NS, GP, *MODERN.values()], ids=["nonsaturating", "wgan-gp", *MODERN])
 def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
     """The public helpers a user proves their own generator/critic with: D's step on the recipe's
-    noise == the reference; then G's step through D after an SGD step by hand == the reference."""
+    noise == the reference (every loss, every penalty, written from the papers' formulas in
+    `multiloss.testing`); then G's step through D after an SGD step by hand == the reference (the
+    relativistic G's paired with the batch D saw)."""
     lr = 0.05
     cfg = make_cfg(*QUICK, *loss, *SGD_D, f"model.d_optimizer.lr={lr}")
     datamodule, model = testing.build(cfg)
@@ -178,10 +189,13 @@ def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
     (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, BATCH, model.latent_dim, draws=2)
     with torch.no_grad():
         fake = model.generator(z)
-    d_grads = testing.discriminator_gradients(model.discriminator, real, fake, model.loss, model.gp_weight, eps)
+    d_grads = testing.discriminator_gradients(
+        model.discriminator, real, fake, model.loss, model.penalty, model.penalty_weight, eps
+    )
     testing.assert_gradients_close(d_step, d_grads, atol=1e-6)
     stepped_d = testing.sgd_step(model.discriminator, d_grads, lr, prefix="discriminator.")
-    testing.assert_gradients_close(g_step, testing.generator_gradients(model.generator, stepped_d, z_g, model.loss))
+    g_grads = testing.generator_gradients(model.generator, stepped_d, z_g, model.loss, real=real)
+    testing.assert_gradients_close(g_step, g_grads)
 
 
 # --- the gradient penalty's double backward ----------------------------------------------------------
@@ -200,7 +214,7 @@ def test_gradient_penalty_gradient_matches_finite_differences():
 
     def penalty(*weights):
         params = dict(zip(names, weights))
-        return gradient_penalty(lambda x: torch.func.functional_call(critic, params, (x,)), real, fake, eps)
+        return gan_penalty("gp", lambda x: torch.func.functional_call(critic, params, (x,)), real, fake, eps)
 
     weights = tuple(p.detach().clone().requires_grad_(True) for p in critic.parameters())
     assert penalty(*weights) > 0
@@ -215,7 +229,7 @@ def test_gradient_penalty_without_create_graph_gives_the_weights_no_gradient():
     (grad,) = torch.autograd.grad(critic(x_hat).sum(), x_hat)  # create_graph=False
     flat = ((grad.norm(dim=1) - 1) ** 2).mean()
     assert flat > 0 and not flat.requires_grad  # a number with no graph back to the weights
-    right = gradient_penalty(critic, real, fake, eps)
+    right = gan_penalty("gp", critic, real, fake, eps)
     grads = torch.autograd.grad(right, list(critic.parameters()), allow_unused=True)  # (the output bias: unused)
     assert sum(g.abs().sum() for g in grads if g is not None) > 0  # the real penalty does reach them
     torch.testing.assert_close(right, flat)  # same value, different gradient
@@ -234,10 +248,10 @@ def test_without_detach_the_d_loss_fills_the_generators_gradients(make_cfg):
     model, _, _, real = _module_and_batch(make_cfg)
     fake = model.generator(torch.randn(BATCH, model.latent_dim))  # one fake for both steps, as in the seed
 
-    model.discriminator_losses(real, fake.detach())["d"].backward()
+    model.discriminator_losses(real, fake.detach(), with_penalty=False)["d"].backward()
     assert all(p.grad is None for p in model.generator.parameters())  # with detach: G untouched
 
-    model.discriminator_losses(real, fake)["d"].backward()  # the mistake
+    model.discriminator_losses(real, fake, with_penalty=False)["d"].backward()  # the mistake
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.generator.parameters())
     # And G's own backward through the same fake now finds that part of the graph freed (the classic error).
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
@@ -248,7 +262,7 @@ def test_generator_loss_built_before_d_step_fails_in_place(make_cfg):
     model, opt_g, opt_d, real = _module_and_batch(make_cfg)
     fake = model.generator(torch.randn(BATCH, model.latent_dim))
     g_loss = model.generator_loss(fake)  # the mistake: G's loss through D, built before D's step
-    model.discriminator_losses(real, fake.detach())["d"].backward()
+    model.discriminator_losses(real, fake.detach(), with_penalty=False)["d"].backward()
     opt_d.step()  # updates D's weights in place, under g_loss's graph
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         g_loss.backward()
@@ -391,7 +405,10 @@ def test_single_optimizer_key_is_rejected_naming_the_two(make_cfg):
     ("override", "key"),
     [
         ("model.n_critic=0", "model.n_critic"),
-        ("model.gp_weight=-1", "model.gp_weight"),
+        ("model.penalty_weight=-1", "model.penalty_weight"),
+        ("model.penalty=r3", "model.penalty"),
+        ("model.penalty_every=0", "model.penalty_every"),
+        ("model.penalty_every=1.5", "model.penalty_every"),
         ("model.accumulate_grad_batches=0", "model.accumulate_grad_batches"),
         ("model.loss=wgan", "model.loss"),
         ("trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val"),  # manual optimization
@@ -405,9 +422,16 @@ def test_bad_settings_are_rejected_before_training(make_cfg, tmp_path, override,
 
 
 def test_wgan_gp_without_penalty_is_rejected(make_cfg, tmp_path):
-    with pytest.raises(ConfigError, match="gp_weight") as err:
-        train(make_cfg("recipe=gan", "model.loss=wgan-gp", "model.gp_weight=0", output_dir=tmp_path))
-    assert "positive" in err.value.message
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", "model.loss=wgan-gp", "model.penalty=none", output_dir=tmp_path))
+    assert err.value.key == "model.penalty" and "Lipschitz" in err.value.message
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", "model.penalty_every=4", "model.penalty=none", "model.loss=hinge"))
+    assert err.value.key == "model.penalty_every"
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", "model.penalty=r1", "model.penalty_weight=0", output_dir=tmp_path))
+    assert err.value.key == "model.penalty_weight"
+    assert not (tmp_path / ".hydra").exists()
 
 
 def test_generator_must_make_samples_of_the_datas_shape(make_cfg, tmp_path):

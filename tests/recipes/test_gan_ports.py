@@ -122,7 +122,7 @@ def _dcgan_dir(tmp_path: Path, images: torch.Tensor, nc: int, sigmoid: bool = Fa
     )
 
 
-DCGAN = ("model.gp_weight=0", "model.n_critic=1", "model.g_input=same_fakes")
+DCGAN = ("model.penalty=none", "model.n_critic=1", "model.g_input=same_fakes")
 
 
 def test_dcgan_by_config_is_the_dcgan_loop_bit_for_bit(tmp_path, make_cfg):
@@ -196,7 +196,8 @@ def _wgan_setup(tmp_path: Path, *options: str) -> tuple[torch.Tensor, tuple[str,
         latent_dim=NZ,
         img_size=16,
     )
-    return images, _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.gp_weight=10", *options), config_dir
+    overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.penalty_weight=10", *options)
+    return images, overrides, config_dir
 
 
 def test_pytorch_gans_wgan_gp_by_config_is_its_loop(tmp_path, make_cfg):
@@ -237,7 +238,7 @@ def test_the_default_step_is_the_wgan_gp_papers_algorithm_1(tmp_path, make_cfg):
 def test_a_batch_norm_critic_with_a_penalty_is_refused_in_one_line(tmp_path, make_cfg):
     images = _images(64)
     config_dir = _dcgan_dir(tmp_path, images, nc=1)
-    overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.gp_weight=10")
+    overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.penalty_weight=10")
     with pytest.raises(ConfigError, match="needs each sample's own gradient") as err:
         train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=tmp_path / "run"))
     assert err.value.key == "model.discriminator" and "main.3" in err.value.problem

@@ -25,8 +25,8 @@ class GeneratedSamplesPlot(LeanCallback):
     """``samples/epoch_NNN.png``: ``n_samples`` generated points over the real ones (2-D samples), or a grid of
     generated images (``(H, W)``, ``(1 or 3, H, W)``, or a square number of features such as the digits' 64).
 
-    Needs ``pl_module.generator`` and ``pl_module.latent_dim``; the real points come from the data
-    module's ``train_set`` (named tensors) when it has them.
+    Needs ``pl_module(z)`` (the GAN: G_ema's samples when on) and ``pl_module.latent_dim``; the real points come
+    from the data module's ``train_set`` (named tensors) when it has them.
     """
 
     def __init__(self, n_samples: int = 1000, seed: int = 0) -> None:
@@ -37,7 +37,7 @@ class GeneratedSamplesPlot(LeanCallback):
         if not _draws_here(trainer):
             return
         z = torch.randn(self.n_samples, pl_module.latent_dim, generator=torch.Generator().manual_seed(self.seed))
-        fake = full(pl_module.generator(z.to(pl_module.device))).float().cpu()
+        fake = full(pl_module(z.to(pl_module.device))).float().cpu()  # the recipe's samples: G_ema's when on
         if not trainer.is_global_zero:
             return
         import matplotlib

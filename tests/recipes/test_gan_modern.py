@@ -1,0 +1,312 @@
+"""`gan` as GAN researchers train today: R1/R2 penalties, stylegan2-ada's lazy regularization, the losses beyond
+WGAN-GP (their gradients: tests/recipes/test_gan.py's reference test, every loss and penalty), and their resume.
+
+The lazy penalty's reference is the plain loop below, its phases and formulas transcribed from
+NVlabs/stylegan2-ada-pytorch at d72cc7d041b42ec8e806021a205ed9349f87c6a4:
+
+- ``training/training_loop.py`` 197-208: with ``reg_interval`` N, D's optimizer is built with ``lr * mb_ratio``
+  and betas ``beta ** mb_ratio``, ``mb_ratio = N / (N + 1)``; a ``Dmain`` phase every iteration and a ``Dreg``
+  phase at interval N; 271-291: a phase runs when ``batch_idx % phase.interval == 0``, with ``gain =
+  phase.interval``, each its own ``zero_grad`` … ``opt.step()``;
+- ``training/loss.py`` 94-131: ``Dmain`` backwards softplus(D(G(z))) + softplus(−D(x)); ``Dreg`` backwards
+  ``(r1_grads.square().sum() * (r1_gamma / 2)).mean().mul(gain)`` with ``r1_grads`` = ∇ₓΣD(x) on the same
+  iteration's reals (``create_graph=True``).
+
+Ours runs D's phases, then G's (stylegan2-ada runs G's first in an iteration: the same sequence of steps shifted
+by one G step, which the loop's port in a later test accounts for); one round per phase (its ``batch_gpu`` =
+the batch: stylegan2-ada sums the rounds' means where multiloss averages its micro-batches).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+
+from multiloss import ConfigError, testing, train
+from multiloss.config import check_config
+from tests.conftest import BARE, SMALL_GAN, load_weights
+from tests.helpers import straight_and_resumed
+
+BATCH = 64
+LAZY = (
+    "recipe=gan",
+    *BARE,
+    f"data.batch_size={BATCH}",
+    *SMALL_GAN,
+    "model.n_plot_samples=0",
+    "model.loss=nonsaturating",
+    "model.penalty=r1",
+    "model.penalty_weight=4.0",  # γ
+    "model.penalty_every=4",
+    "model.n_critic=1",
+    "scheduler=constant",
+)
+
+
+class Record(L.Callback):
+    """Each training batch's real samples, and the weights after the run."""
+
+    def __init__(self) -> None:
+        self.reals: list[torch.Tensor] = []
+        self.steps_taken = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.reals.append(batch["x"].clone())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.steps_taken += 1
+
+
+def _stylegan_lazy_r1_loop(G, D, reals, noise, g_opt, d_opt, gamma: float, interval: int):
+    """The reference: D's main phase, its R1 phase every ``interval`` iterations (gain ``interval``), G's main."""
+    mb_ratio = interval / (interval + 1)
+    opt_g = torch.optim.Adam(G.parameters(), lr=g_opt["lr"], betas=g_opt["betas"])
+    opt_d = torch.optim.Adam(
+        D.parameters(), lr=d_opt["lr"] * mb_ratio, betas=[beta**mb_ratio for beta in d_opt["betas"]]
+    )
+    for batch_idx, real_img in enumerate(reals):
+        (gen_z, _), (g_z, _) = noise[2 * batch_idx], noise[2 * batch_idx + 1]
+        # Dmain
+        opt_d.zero_grad(set_to_none=True)
+        G.requires_grad_(False)
+        gen_logits = D(G(gen_z))
+        F.softplus(gen_logits).mean().backward()
+        real_logits = D(real_img.detach())
+        F.softplus(-real_logits).mean().backward()
+        opt_d.step()
+        # Dreg
+        if batch_idx % interval == 0:
+            opt_d.zero_grad(set_to_none=True)
+            real_img_tmp = real_img.detach().requires_grad_(True)
+            real_logits = D(real_img_tmp)
+            (r1_grads,) = torch.autograd.grad([real_logits.sum()], [real_img_tmp], create_graph=True, only_inputs=True)
+            r1_penalty = r1_grads.square().sum([1])
+            loss_dr1 = r1_penalty * (gamma / 2)
+            (real_logits * 0 + loss_dr1).mean().mul(interval).backward()
+            opt_d.step()
+        # Gmain (through the updated D, whose weights get no gradient)
+        G.requires_grad_(True)
+        D.requires_grad_(False)
+        opt_g.zero_grad(set_to_none=True)
+        F.softplus(-D(G(g_z))).mean().backward()
+        opt_g.step()
+        D.requires_grad_(True)
+
+
+def test_lazy_r1_equals_stylegan2_adas_phases(make_cfg):
+    """9 iterations (R1 phases at 0, 4 and 8) of the recipe == the reference loop, to 1e-6; the lazy steps are
+    not counted in ``trainer.global_step`` (9 D + 9 G) though 11 D steps were taken."""
+    iterations = 9
+    cfg = make_cfg(*LAZY, f"trainer.max_steps={2 * iterations}")
+    check_config(cfg)
+    L.seed_everything(cfg.seed)
+    datamodule, model = testing.build(cfg)
+    G, D = copy.deepcopy(model.generator), copy.deepcopy(model.discriminator)
+    record = Record()
+    trainer = instantiate(cfg.trainer, callbacks=[record], logger=False, enable_checkpointing=False)
+    trainer.fit(model, datamodule=datamodule)
+    assert trainer.global_step == 2 * iterations and record.steps_taken == 2 * iterations + 3
+    assert len(record.reals) == iterations and model.d_steps == iterations
+
+    noise = testing.gan_noise(cfg.seed, BATCH, cfg.model.latent_dim, draws=2 * iterations)
+    _stylegan_lazy_r1_loop(
+        G, D, record.reals, noise, cfg.model.g_optimizer, cfg.model.d_optimizer, cfg.model.penalty_weight, 4
+    )
+    for ours, ref in ((model.generator, G), (model.discriminator, D)):
+        for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=name)
+    # D's Adam corrected once, from the configured rate: lr × 4/5, betas ** (4/5).
+    opt_d = trainer.optimizers[1]
+    assert opt_d.param_groups[0]["lr"] == pytest.approx(cfg.model.d_optimizer.lr * 0.8)
+    assert opt_d.param_groups[0]["betas"] == pytest.approx([b**0.8 for b in cfg.model.d_optimizer.betas])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("model.loss=relativistic", "model.penalty=r1", "model.penalty_every=3", "model.accumulate_grad_batches=2"),
+        ("model.loss=hinge", "model.penalty=r2", "model.penalty_weight=0.5", "model.penalty_every=1"),
+    ],
+    ids=["relativistic+lazy_r1+k2", "hinge+r2"],
+)
+def test_resume_mid_run_equals_straight_run(make_cfg, tmp_path, options):
+    """Stopped between two lazy steps (the D-step count rides in the checkpoint: the phase goes on) and resumed
+    == straight through, 0.0 on every weight and Adam state."""
+    common = (
+        *(o for o in LAZY if o not in BARE),
+        "trainer.accelerator=cpu",
+        "trainer.limit_val_batches=0",
+        "logger=none",
+        "~callbacks.loss_curves",
+        "trainer.max_epochs=3",
+        "trainer.limit_train_batches=6",
+        *options,
+    )
+    runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=10", end="trainer.max_steps=22")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert any(not torch.equal(first[k], straight[k]) for k in straight)
+    states = [torch.load(run / "checkpoints/last.ckpt", weights_only=True) for run in runs]
+    for a, b in zip(states[0]["optimizer_states"], states[2]["optimizer_states"]):
+        for key in a["state"]:
+            assert all(torch.equal(a["state"][key][n], b["state"][key][n]) for n in a["state"][key])
+    assert states[0]["gan_d_steps"] == states[2]["gan_d_steps"] > states[1]["gan_d_steps"]
+
+
+def test_a_penalty_refuses_batch_norm_and_the_old_key_still_loads(make_cfg, tmp_path):
+    """R1 with a BatchNorm critic: one message naming the discriminator, before a file is written. ``gp_weight``
+    (older checkpoints' hyperparameters) still means penalty=gp at that weight, and not beside ``penalty``."""
+    from multiloss.recipes.gan import GAN
+
+    mlp = {"_target_": "multiloss.nets.MLP", "in_features": 2, "out_features": 2, "width": 8}
+    critic = {"_target_": "multiloss.nets.MLP", "in_features": 2, "out_features": 1, "width": 8}
+    old = GAN(generator=mlp, discriminator=critic, loss="wgan-gp", gp_weight=10.0)
+    assert (old.penalty, old.penalty_weight) == ("gp", 10.0)
+    assert GAN(generator=mlp, discriminator=critic, gp_weight=0.0).penalty == "none"
+    with pytest.raises(ConfigError) as err:
+        GAN(generator=mlp, discriminator=critic, gp_weight=1.0, penalty="r1", penalty_weight=1.0)
+    assert err.value.key == "gp_weight"
+    with pytest.raises(ConfigError) as err:
+        train(
+            make_cfg(
+                *LAZY,
+                "trainer.max_steps=2",
+                "discriminator=mlp",
+                "+model.discriminator.batch_norm=true",
+                output_dir=tmp_path / "run",
+            )
+        )
+    assert err.value.key == "model.discriminator" and "penalty=r1" in err.value.message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- the generator EMA ---------------------------------------------------------------------------------------
+
+
+def _stylegan_ema(G_ema, G, cur_nimg: int, batch_size: int, ema_kimg: float, ema_rampup: float | None) -> None:
+    """stylegan2-ada-pytorch d72cc7d ``training/training_loop.py`` 296-304, as written there."""
+    with torch.no_grad():
+        ema_nimg = ema_kimg * 1000
+        if ema_rampup is not None:
+            ema_nimg = min(ema_nimg, cur_nimg * ema_rampup)
+        ema_beta = 0.5 ** (batch_size / max(ema_nimg, 1e-8))
+        for p_ema, p in zip(G_ema.parameters(), G.parameters()):
+            p_ema.copy_(p.lerp(p_ema, ema_beta))
+        for b_ema, b in zip(G_ema.buffers(), G.buffers()):
+            b_ema.copy_(b)
+
+
+def _studiogan_ema(G_ema, G, it: int, decay: float, start_iter: int) -> None:
+    """POSTECH-CVLab/PyTorch-StudioGAN 947b35e ``src/utils/ema.py`` 27-40 (``Ema.update``), its parameters' part;
+    its buffers are copied here (multiloss's convention; ``Ema`` averages them, see `multiloss.generator_ema`)."""
+    decay = 0.0 if 0 <= it < start_iter else decay
+    with torch.no_grad():
+        for p_ema, p in zip(G_ema.parameters(), G.parameters()):
+            p_ema.copy_(p.lerp(p_ema, decay))
+        for b_ema, b in zip(G_ema.buffers(), G.buffers()):
+            b_ema.copy_(b)
+
+
+def test_the_ema_follows_both_references_and_copies_batch_norm():
+    """Six updates of a generator with BatchNorm: the half-life convention == stylegan2-ada's (with and without its
+    ramp-up), the decay convention == StudioGAN's (before and after its start step): weights to 0.0, buffers copied."""
+    from multiloss.generator_ema import GeneratorEMA
+    from multiloss.nets import MLP
+
+    torch.manual_seed(0)
+    G = MLP(3, 4, width=8, batch_norm=True)
+    for kwargs, reference in (
+        ({"half_life_images": 300.0, "rampup": 0.5}, lambda e, n, i: _stylegan_ema(e, G, n, 64, 0.3, 0.5)),
+        ({"half_life_images": 300.0}, lambda e, n, i: _stylegan_ema(e, G, n, 64, 0.3, None)),
+        ({"decay": 0.9, "start_step": 2}, lambda e, n, i: _studiogan_ema(e, G, i, 0.9, 2)),
+    ):
+        ema, ref = GeneratorEMA(G, **kwargs), copy.deepcopy(G)
+        for i in range(6):
+            with torch.no_grad():
+                for p in G.parameters():
+                    p.add_(torch.randn_like(p))
+            G(torch.randn(16, 3))  # moves BatchNorm's running statistics
+            ema.count(32)  # two D micro-batches of 32 since the last update
+            ema.count(32)
+            ema.update(G)
+            reference(ref, 64 * i, i)
+        for a, b in zip(ema.average.state_dict().values(), ref.state_dict().values()):
+            assert torch.equal(a, b)
+        assert int(ema.images) == 384 and int(ema.updates) == 6
+        assert not torch.equal(next(ema.average.parameters()), next(G.parameters()))  # an average, not a copy
+    with pytest.raises(ConfigError) as err:
+        GeneratorEMA(G, half_life_images=10.0, decay=0.9)
+    assert err.value.key == "g_ema"
+    with pytest.raises(ConfigError) as err:
+        GeneratorEMA(G, decay=1.0)
+    assert err.value.key == "g_ema.decay"
+
+
+EMA = (
+    "recipe=gan",
+    f"data.batch_size={BATCH}",
+    *SMALL_GAN,
+    "model.n_plot_samples=0",
+    "model.n_critic=2",
+    "+model.g_ema.half_life_images=500",
+    "+model.g_ema.rampup=0.5",
+    "trainer.accelerator=cpu",
+    "trainer.limit_val_batches=0",
+    "logger=none",
+    "~callbacks.loss_curves",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=6",
+)
+
+
+class GeneratorAfterSteps(L.Callback):
+    """G's weights after each of its steps."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.generator_steps_after(batch_idx):
+            self.weights.append({n: p.detach().clone() for n, p in pl_module.generator.state_dict().items()})
+
+
+def test_the_recipes_ema_is_the_average_of_its_generators_steps(make_cfg):
+    """In a real run (n_critic 2: each G step follows 2 × 64 images), G_ema == stylegan2-ada's update applied to G's
+    weights after each of its steps; validation and ``forward`` sample from G_ema."""
+    cfg = make_cfg(*(o for o in EMA if "callbacks" not in o), "trainer.max_steps=12", "callbacks=none")
+    datamodule, model = testing.build(cfg)
+    reference = copy.deepcopy(model.generator)
+    after = GeneratorAfterSteps()
+    trainer = instantiate(cfg.trainer, callbacks=[after], logger=False, enable_checkpointing=False)
+    trainer.fit(model, datamodule=datamodule)
+    assert len(after.weights) == 4
+    G = copy.deepcopy(model.generator)
+    for i, weights in enumerate(after.weights):
+        G.load_state_dict(weights)
+        _stylegan_ema(reference, G, 128 * i, 128, 0.5, 0.5)
+    for a, b in zip(model.generator_ema.average.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+    assert int(model.generator_ema.images) == 4 * 128
+    z = torch.randn(5, cfg.model.latent_dim)
+    assert torch.equal(model(z), reference(z)) and not torch.equal(model(z), model.generator(z))
+
+
+def test_the_ema_resumes_exactly_and_loads_for_sampling(make_cfg, tmp_path):
+    """Stopped mid-epoch and resumed == straight (G_ema's weights and image count, 0.0); ``load_from_checkpoint``
+    samples from G_ema."""
+    from multiloss.recipes.gan import GAN
+
+    runs = straight_and_resumed(make_cfg, tmp_path, EMA, stop="trainer.max_steps=9", end="trainer.max_steps=27")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
+    ema_keys = [k for k in straight if k.startswith("generator_ema.")]
+    assert "generator_ema.images" in ema_keys and len(ema_keys) > 3
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert not torch.equal(first["generator_ema.images"], straight["generator_ema.images"])
+    module = GAN.load_from_checkpoint(runs[0] / "checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    z = torch.randn(4, module.latent_dim)
+    assert torch.equal(module(z), module.generator_ema.average(z))
