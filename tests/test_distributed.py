@@ -145,6 +145,38 @@ def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path, g_inp
     assert config.trainer.strategy == "ddp"  # multiloss's DDPStrategy, find_unused_parameters off
 
 
+def test_modern_gan_under_ddp_equals_one_rank(tmp_path):
+    """The relativistic loss, lazy R1 (its own D step every 2, on the step's 2 micro-batches) and the generator EMA
+    (half-life with ramp-up, images counted over ranks and micro-batches) on 2 ranks × b == 1 rank × 2b: G, D and
+    G_ema (weights and image count)."""
+    common = (
+        "recipe=gan",
+        "data.shuffle=false",
+        "model.n_plot_samples=0",
+        "model.loss=relativistic",
+        "model.penalty=r1",
+        "model.penalty_weight=1.0",
+        "model.penalty_every=2",
+        "model.n_critic=1",
+        "model.accumulate_grad_batches=2",
+        "+model.g_ema.half_life_images=100",
+        "+model.g_ema.rampup=0.5",
+        "optimizer@model.d_optimizer=sgd",
+        "optimizer@model.g_optimizer=sgd",
+        "model.d_optimizer.lr=0.05",
+        "model.g_optimizer.lr=0.05",
+        "scheduler=constant",
+        "trainer.max_steps=8",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=32")
+    _assert_same_weights(two, one)
+    weights = load_weights(two / "checkpoints/last.ckpt")
+    assert int(weights["generator_ema.images"]) == 4 * 2 * 32  # 4 D steps of 2 micro-batches of 2 × 16
+
+
 def test_tbptt_runs_under_ddp(tmp_path):
     out = _train(
         tmp_path / "ddp", "recipe=tbptt", *DDP, "trainer.max_steps=8", "data.seq_len=64", "trainer.limit_val_batches=2"

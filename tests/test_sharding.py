@@ -97,6 +97,21 @@ RECIPES = {
         "data.batch_size=64",
         "trainer.max_steps=12",
     ),
+    # R1 taken lazily (its own D step every 2, the critic held whole), hinge, and G_ema sharded like G.
+    "gan-modern": (
+        "recipe=gan",
+        "model.loss=hinge",
+        "model.penalty=r1",
+        "model.penalty_weight=1.0",
+        "model.penalty_every=2",
+        "model.n_critic=1",
+        "+model.g_ema.half_life_images=100",
+        *SMALL_GAN,
+        "model.n_plot_samples=0",
+        "data.n_samples=1024",
+        "data.batch_size=64",
+        "trainer.max_steps=12",
+    ),
     "tbptt": ("recipe=tbptt", "data=text", "data.level=chars", "data.layout=streams", "data.batch_size=4"),
 }
 TBPTT = ("data.seq_len=16", "model.chunk_length=8", "model.net.embedding_dim=8", "model.net.hidden_size=16")
