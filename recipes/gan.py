@@ -61,6 +61,7 @@ from multiloss.component_check import call_component, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
+from multiloss.gan_augment import build_augment
 from multiloss.gan_objectives import (
     LOSSES,
     PAIRED,
@@ -218,6 +219,7 @@ class GAN(Recipe):
         g_input: Literal["fresh", "same_fakes", "same_z"] = "fresh",
         g_step_after: Literal["last", "first"] = "last",
         g_ema: dict[str, Any] | None = None,
+        augment: dict[str, Any] | None = None,
         gp_weight: float | None = None,  # before penalty/penalty_weight: read from older checkpoints' hyperparameters
         **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
@@ -298,6 +300,7 @@ class GAN(Recipe):
         self.generator_ema = GeneratorEMA(self.generator, **g_ema) if g_ema is not None else None
         if self.generator_ema is not None:
             self.components = (*self.components, "generator_ema")
+        self.augment = build_augment(to_plain(augment))  # what D sees in training (multiloss.gan_augment)
         self.sample_shape: tuple[int, ...] | None = None  # a data sample's shape, seen by the component check
         self.mode_coverage: ModeCoverage | None = None  # made by the component check when the data has modes
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
@@ -378,6 +381,8 @@ class GAN(Recipe):
                 f"it has BatchNorm: {', '.join(norms[:3])}",
             )
         self.sample_shape = tuple(real.shape[1:])
+        if self.augment is not None:
+            self.augment.set_sample_shape(self.sample_shape)
         # Mode coverage where the data has modes (the Gaussian mixtures), scored at every validation.
         datamodule = self.attached_datamodule
         if (centers := getattr(datamodule, "centers", None)) is not None and self.mode_coverage is None:
@@ -394,10 +399,21 @@ class GAN(Recipe):
         generators are seeded alike), and drawing z and ε in separate calls would make k
         micro-batches draw differently from one batch of k·b.
         """
-        world = self.trainer.world_size if self.attached_trainer is not None else 1
-        rows = torch.randn(n * world, self.latent_dim + 1, generator=self._noise_generator(), device=self.device)
-        rows = rows[self.global_rank :: world]
+        rows = self._rows(n, self.latent_dim + 1)
         return rows[:, :-1], torch.special.ndtr(rows[:, -1:])  # ndtr: Φ, so ε is uniform
+
+    def _rows(self, n: int, width: int) -> torch.Tensor:
+        """This rank's ``n`` of ``n × world_size`` rows of ``width`` standard normals from the noise generator."""
+        world = self.trainer.world_size if self.attached_trainer is not None else 1
+        rows = torch.randn(n * world, width, generator=self._noise_generator(), device=self.device)
+        return rows[self.global_rank :: world]
+
+    def seen_by(self, critic: Any) -> Any:
+        """``critic`` as D sees samples in training: through the augmentation when it is on (its random numbers,
+        uniforms from the noise stream, drawn per call for the global batch and sharded like the noise)."""
+        if self.augment is None:
+            return critic
+        return lambda x: critic(self.augment(x, torch.special.ndtr(self._rows(len(x), self.augment.draws))))
 
     def _noise_generator(self) -> torch.Generator:
         if self._noise is None:
@@ -425,7 +441,15 @@ class GAN(Recipe):
         # Through D's own DDP wrapper (when there is one): this backward's D gradients are averaged
         # across ranks, and it reaches no other parameters.
         critic = synced(self, "discriminator")
-        losses = discriminator_terms(self.loss, critic(real), critic(fake))
+        if with_penalty:  # training: D sees augmented samples (validation scores the plain ones)
+            critic = self.seen_by(critic)
+        d_real = critic(real)
+        if with_penalty and self.augment is not None and self.augment.adaptive:
+            stats = self.augment.statistic(d_real)
+            if self.attached_trainer is not None:  # every rank here, per micro-batch: the sums are global
+                stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+            self.augment.observe(stats)
+        losses = discriminator_terms(self.loss, d_real, critic(fake))
         total = sum(losses.values())
         if with_penalty and self.penalty != "none" and self.penalty_every == 1:
             losses[self.penalty] = self.penalty_value(critic, real, fake, eps)
@@ -446,8 +470,9 @@ class GAN(Recipe):
         D is called directly, not through its DDP wrapper: its weights are frozen for this step, so
         no D gradient may be expected (or all-reduced) by this backward.
         """
-        d_real = self.discriminator(real) if self.loss in PAIRED else None
-        return generator_loss_of(self.loss, self.discriminator(fake), d_real)
+        critic = self.seen_by(self.discriminator) if self.training else self.discriminator
+        d_real = critic(real) if self.loss in PAIRED else None
+        return generator_loss_of(self.loss, critic(fake), d_real)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """Samples for ``z``: from G_ema when ``g_ema`` is on (what validation, the sample plots, ``multiloss-eval``
@@ -486,6 +511,7 @@ class GAN(Recipe):
                 self.generator_ema.count(len(real) * self.trainer.world_size)
         if d_step.stepping:
             self.lazy_penalty_step(opt_d)
+            self.adapt_augmentation(len(real))
             self.d_steps += 1
 
         # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
@@ -505,6 +531,15 @@ class GAN(Recipe):
         if d_step.stepping:
             self._d_micro = []  # the next D step's micro-batches start a new list
 
+    def adapt_augmentation(self, batch_size: int) -> None:
+        """ADA: every ``ada_interval`` D steps (the 0th, then every interval, as stylegan2-ada's ``batch_idx %
+        ada_interval == 0``), p moves by the sign of r_t − target (the sums are every rank's already)."""
+        augment = self.augment
+        if augment is None or not augment.adaptive or self.d_steps % augment.ada_interval:
+            return
+        augment.adjust(batch_size * self.trainer.world_size * self.accumulate_grad_batches * augment.ada_interval)
+        self.log("augment/p", augment.p.float(), rank_zero_only=True)
+
     def lazy_penalty_step(self, opt_d: Any) -> None:
         """The lazy penalty (``penalty_every`` = N > 1), stylegan2-ada's ``Dreg`` phase: after every N-th D step
         (the 0th, Nth, 2Nth… from the run's start, as its ``batch_idx % reg_interval == 0``), one more D step of
@@ -516,7 +551,8 @@ class GAN(Recipe):
             values = []
             for micro in reg.micro_batches(len(self._d_micro)):
                 kept = self._d_micro[micro]
-                value = self.penalty_value(synced(self, "discriminator"), kept.real, kept.fake, kept.eps)
+                critic = self.seen_by(synced(self, "discriminator"))
+                value = self.penalty_value(critic, kept.real, kept.fake, kept.eps)
                 # Divided by the micro-batches taken (an epoch's last D step may have fewer than k).
                 reg.backward(self.penalty_every * self.penalty_weight * value / len(self._d_micro), scaled=True)
                 values.append(value.detach())

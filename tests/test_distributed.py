@@ -145,12 +145,27 @@ def test_gan_under_ddp_steps_each_network_with_its_own_allreduce(tmp_path, g_inp
     assert config.trainer.strategy == "ddp"  # multiloss's DDPStrategy, find_unused_parameters off
 
 
-def test_modern_gan_under_ddp_equals_one_rank(tmp_path):
+ADA_DIGITS = (
+    "data=digits",
+    "model.data_dim=64",
+    "model.latent_dim=8",
+    "+model.augment.policy=[color,translation,cutout]",
+    "+model.augment.p=0.3",
+    "+model.augment.ada_target=0.6",
+    "+model.augment.ada_interval=2",
+    "+model.augment.ada_kimg=1",
+)
+
+
+@pytest.mark.parametrize("data", [(), ADA_DIGITS], ids=["gaussians", "digits-ada"])
+def test_modern_gan_under_ddp_equals_one_rank(tmp_path, data):
     """The relativistic loss, lazy R1 (its own D step every 2, on the step's 2 micro-batches) and the generator EMA
     (half-life with ramp-up, images counted over ranks and micro-batches) on 2 ranks × b == 1 rank × 2b: G, D and
-    G_ema (weights and image count)."""
+    G_ema (weights and image count); on the digits with DiffAugment and ADA's p too (the ranks' sign sums
+    all-reduced: p equal to the one rank's)."""
     common = (
         "recipe=gan",
+        *data,
         "data.shuffle=false",
         "model.n_plot_samples=0",
         "model.loss=relativistic",
@@ -175,6 +190,8 @@ def test_modern_gan_under_ddp_equals_one_rank(tmp_path):
     _assert_same_weights(two, one)
     weights = load_weights(two / "checkpoints/last.ckpt")
     assert int(weights["generator_ema.images"]) == 4 * 2 * 32  # 4 D steps of 2 micro-batches of 2 × 16
+    if data:  # the sums are the ranks' together: D step 3's 2 micro-batches of 2 × 16 since the update at step 2
+        assert int(weights["augment.signs"][1]) == 64
 
 
 def test_tbptt_runs_under_ddp(tmp_path):

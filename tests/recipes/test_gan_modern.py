@@ -310,3 +310,142 @@ def test_the_ema_resumes_exactly_and_loads_for_sampling(make_cfg, tmp_path):
     module = GAN.load_from_checkpoint(runs[0] / "checkpoints/last.ckpt", map_location="cpu", weights_only=False)
     z = torch.randn(4, module.latent_dim)
     assert torch.equal(module(z), module.generator_ema.average(z))
+
+
+# --- augmentation: DiffAugment and ADA -----------------------------------------------------------------------
+
+
+def _diffaugment_reference(x, policy: str, rand: list, randint: list):
+    """mit-han-lab/data-efficient-gans 0b63395 ``DiffAugment_pytorch.py`` 9-76, as written there (its
+    ``torch.rand``/``torch.randint`` calls answered from ``rand`` and ``randint`` in order)."""
+    import torch.nn.functional as F
+
+    def rand_brightness(x):
+        return x + (rand.pop(0) - 0.5)
+
+    def rand_saturation(x):
+        x_mean = x.mean(dim=1, keepdim=True)
+        return (x - x_mean) * (rand.pop(0) * 2) + x_mean
+
+    def rand_contrast(x):
+        x_mean = x.mean(dim=[1, 2, 3], keepdim=True)
+        return (x - x_mean) * (rand.pop(0) + 0.5) + x_mean
+
+    def rand_translation(x, ratio=0.125):
+        translation_x, translation_y = randint.pop(0), randint.pop(0)
+        grid_batch, grid_x, grid_y = torch.meshgrid(
+            torch.arange(x.size(0), dtype=torch.long),
+            torch.arange(x.size(2), dtype=torch.long),
+            torch.arange(x.size(3), dtype=torch.long),
+            indexing="ij",
+        )
+        grid_x = torch.clamp(grid_x + translation_x + 1, 0, x.size(2) + 1)
+        grid_y = torch.clamp(grid_y + translation_y + 1, 0, x.size(3) + 1)
+        x_pad = F.pad(x, [1, 1, 1, 1, 0, 0, 0, 0])
+        return x_pad.permute(0, 2, 3, 1).contiguous()[grid_batch, grid_x, grid_y].permute(0, 3, 1, 2).contiguous()
+
+    def rand_cutout(x, ratio=0.5):
+        cutout_size = int(x.size(2) * ratio + 0.5), int(x.size(3) * ratio + 0.5)
+        offset_x, offset_y = randint.pop(0), randint.pop(0)
+        grid_batch, grid_x, grid_y = torch.meshgrid(
+            torch.arange(x.size(0), dtype=torch.long),
+            torch.arange(cutout_size[0], dtype=torch.long),
+            torch.arange(cutout_size[1], dtype=torch.long),
+            indexing="ij",
+        )
+        grid_x = torch.clamp(grid_x + offset_x - cutout_size[0] // 2, min=0, max=x.size(2) - 1)
+        grid_y = torch.clamp(grid_y + offset_y - cutout_size[1] // 2, min=0, max=x.size(3) - 1)
+        mask = torch.ones(x.size(0), x.size(2), x.size(3), dtype=x.dtype)
+        mask[grid_batch, grid_x, grid_y] = 0
+        return x * mask.unsqueeze(1)
+
+    fns = {"color": [rand_brightness, rand_saturation, rand_contrast], "translation": [rand_translation]}
+    fns["cutout"] = [rand_cutout]
+    for p in policy.split(","):
+        for f in fns[p]:
+            x = f(x)
+    return x.contiguous()
+
+
+def test_diffaugment_equals_its_reference_and_is_differentiable():
+    """Our transforms on given uniforms == DiffAugment's code given the same draws (exact); every integer draw in
+    range, each value reached; the gradient flows to the input (G's step through the augmentation)."""
+    from multiloss.gan_augment import Augment, _integers, diff_augment
+
+    torch.manual_seed(0)
+    x = torch.rand(256, 3, 8, 8, requires_grad=True)
+    u = torch.rand(256, 7)
+    ours = diff_augment(x, "color,translation,cutout", u)
+    rand = [u[:, i].view(-1, 1, 1, 1) for i in range(3)]
+    randint = [_integers(u[:, 3], -1, 2), _integers(u[:, 4], -1, 2), _integers(u[:, 5], 0, 9), _integers(u[:, 6], 0, 9)]
+    assert sorted(randint[0].unique().tolist()) == [-1, 0, 1] and sorted(randint[2].unique().tolist()) == list(range(9))
+    assert torch.equal(ours, _diffaugment_reference(x, "color,translation,cutout", rand, randint))
+    ours.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    # p: each sample augmented with probability p (here half of them), the rest passed through unchanged.
+    augment = Augment(policy="translation", p=0.5)
+    augment.set_sample_shape((64,))  # the digits' 64 features as one 8 × 8 channel
+    flat = torch.rand(1000, 64)
+    draws = torch.rand(1000, augment.draws)
+    out = augment(flat, draws)
+    unchanged = (out == flat).all(dim=1)
+    assert torch.equal(unchanged[draws[:, 0] >= 0.5], torch.ones(int((draws[:, 0] >= 0.5).sum()), dtype=torch.bool))
+    assert 400 < int((~unchanged).sum()) < 600  # (a translation by (0, 0) leaves a sample as it was)
+    with pytest.raises(ConfigError) as err:
+        Augment(policy="color,zoom")
+    assert err.value.key == "augment.policy"
+    with pytest.raises(ConfigError) as err:
+        Augment(policy="color").set_sample_shape((2,))
+    assert err.value.key == "model.augment" and "(2,)" in err.value.message
+
+
+def test_ada_moves_p_by_the_sign_of_r_t():
+    """stylegan2-ada's update: r_t above the target raises p by interval images / (kimg · 1000); below lowers it,
+    never under 0."""
+    from multiloss.gan_augment import Augment
+
+    ada = Augment(policy="color", p=0.0, ada_target=0.6, ada_interval=4, ada_kimg=2)
+    ada.observe(ada.statistic(torch.tensor([1.0, 2.0, -1.0, 3.0])))  # r_t = 0.5 < 0.6: down, clamped at 0
+    ada.adjust(images=256)
+    assert float(ada.p) == 0.0 and ada.signs.sum() == 0
+    ada.observe(ada.statistic(torch.tensor([1.0, 2.0, 1.0, -3.0, 5.0])))  # 0.6 … and one more positive: 4/6
+    ada.observe(ada.statistic(torch.tensor([0.5])))
+    ada.adjust(images=256)
+    assert float(ada.p) == pytest.approx(256 / 2000)
+
+
+ADA = (
+    "recipe=gan",
+    "data=digits",
+    "model.data_dim=64",
+    "model.latent_dim=8",
+    "data.batch_size=32",
+    *SMALL_GAN,
+    "model.n_plot_samples=0",
+    "model.loss=nonsaturating",
+    "model.penalty=r1",
+    "model.penalty_weight=0.1",
+    "model.penalty_every=3",
+    "+model.augment.policy=[color,translation,cutout]",
+    "+model.augment.p=0.2",
+    "+model.augment.ada_target=0.6",
+    "+model.augment.ada_interval=2",
+    "+model.augment.ada_kimg=1",
+    "trainer.accelerator=cpu",
+    "trainer.limit_val_batches=0",
+    "logger=none",
+    "~callbacks.loss_curves",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=8",
+)
+
+
+def test_ada_resumes_exactly(make_cfg, tmp_path):
+    """Augmented D (lazy R1 through the augmentation), adaptive p: stopped mid-epoch and resumed == straight (0.0:
+    weights, p and the running sign sums); p did move."""
+    runs = straight_and_resumed(make_cfg, tmp_path, ADA, stop="trainer.max_steps=11", end="trainer.max_steps=30")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert float(straight["augment.p"]) != pytest.approx(0.2) and float(first["augment.p"]) != float(
+        straight["augment.p"]
+    )
