@@ -62,6 +62,7 @@ from multiloss.components import build_module, build_optimizer_factory, names_gi
 from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
 from multiloss.gan_augment import build_augment
+from multiloss.gan_metrics import FEATURES, SampleQuality
 from multiloss.gan_objectives import (
     LOSSES,
     PAIRED,
@@ -104,6 +105,7 @@ class _DMicroBatch:
 
 
 EMA_KEYS = ("half_life_images", "rampup", "decay", "start_step")  # model.g_ema's (multiloss.generator_ema)
+QUALITY_KEYS = ("feature", "kid_subset_size", "kid_subsets", "nearest_k", "stacked_modes")  # model.metrics'
 
 
 class GAN(Recipe):
@@ -220,6 +222,7 @@ class GAN(Recipe):
         g_step_after: Literal["last", "first"] = "last",
         g_ema: dict[str, Any] | None = None,
         augment: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
         gp_weight: float | None = None,  # before penalty/penalty_weight: read from older checkpoints' hyperparameters
         **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
     ) -> None:
@@ -301,6 +304,19 @@ class GAN(Recipe):
         if self.generator_ema is not None:
             self.components = (*self.components, "generator_ema")
         self.augment = build_augment(to_plain(augment))  # what D sees in training (multiloss.gan_augment)
+        metrics = to_plain(metrics)
+        require(
+            metrics is None or isinstance(metrics, dict), "metrics", metrics, "a mapping (feature: digits), or null"
+        )
+        if metrics is not None:
+            unknown = sorted(set(metrics) - set(QUALITY_KEYS))
+            require(not unknown, f"metrics.{unknown[0] if unknown else ''}", metrics, f"keys {', '.join(QUALITY_KEYS)}")
+            feature = metrics.get("feature", "digits")
+            require(feature in FEATURES, "metrics.feature", feature, ", ".join(FEATURES))
+        self.metrics_spec = metrics
+        # Built at setup (it needs the data's sample shape), and kept out of the module tree: its feature network's
+        # weights are the shipped ones, not the run's, so neither a checkpoint nor load_from_checkpoint holds them.
+        self._quality: SampleQuality | None = None
         self.sample_shape: tuple[int, ...] | None = None  # a data sample's shape, seen by the component check
         self.mode_coverage: ModeCoverage | None = None  # made by the component check when the data has modes
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
@@ -383,6 +399,11 @@ class GAN(Recipe):
         self.sample_shape = tuple(real.shape[1:])
         if self.augment is not None:
             self.augment.set_sample_shape(self.sample_shape)
+        if self.metrics_spec is not None and self._quality is None:
+            try:
+                self._quality = SampleQuality(self.sample_shape, **self.metrics_spec).to(real.device)
+            except ConfigError as err:
+                raise err.under("model") from None
         # Mode coverage where the data has modes (the Gaussian mixtures), scored at every validation.
         datamodule = self.attached_datamodule
         if (centers := getattr(datamodule, "centers", None)) is not None and self.mode_coverage is None:
@@ -592,14 +613,21 @@ class GAN(Recipe):
         self.epoch_means.log(self, losses, f"{self.eval_prefix}/loss/", len(real))
         if self.mode_coverage is not None:
             self.mode_coverage.update(fake)
+        if self._quality is not None:
+            self._quality.update(real, real=True)
+            self._quality.update(fake, real=False)
 
     def on_validation_epoch_end(self) -> None:
-        if self.mode_coverage is None:
-            return
         # Every rank calls compute() (it gathers the states), whatever its own number of batches.
-        scores = self.mode_coverage.compute()
-        self.mode_coverage.reset()
+        scores = {}
+        if self.mode_coverage is not None:
+            scores.update(self.mode_coverage.compute())
+            self.mode_coverage.reset()
+        if self._quality is not None:
+            scores.update(self._quality.compute())
+            self._quality.reset()
         # Equal on every rank already (compute() gathered the states): nothing to reduce (rank_zero_only makes
         # Lightning's reduction a no-op: no collective for one rank to issue alone; sync_dist keeps its warning off).
-        for name in ("modes", "high_quality"):
-            self.log(f"{self.eval_prefix}/{name}", scores[name], prog_bar=True, sync_dist=True, rank_zero_only=True)
+        for name, value in scores.items():
+            shown = name in ("modes", "high_quality", "fid")
+            self.log(f"{self.eval_prefix}/{name}", value, prog_bar=shown, sync_dist=True, rank_zero_only=True)

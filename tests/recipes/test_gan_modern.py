@@ -449,3 +449,65 @@ def test_ada_resumes_exactly(make_cfg, tmp_path):
     assert float(straight["augment.p"]) != pytest.approx(0.2) and float(first["augment.p"]) != float(
         straight["augment.p"]
     )
+
+
+# --- offline quality metrics ----------------------------------------------------------------------------------
+
+
+def test_the_shipped_digit_classifier_is_the_versioned_one_and_reads_digits():
+    from multiloss.digit_features import DIGEST, DigitFeatures, digits_split, weights_digest
+
+    assert weights_digest() == DIGEST  # a retrained or edited file is a new VERSION
+    features = DigitFeatures()
+    _, _, x, y = digits_split()
+    assert (features.classify(x.float()).squeeze(1) == y).float().mean() > 0.97
+    stacked = DigitFeatures(3)
+    three = torch.cat([x[:5], x[5:10], x[10:15]], dim=1).float()
+    assert stacked(three).shape == (5, 192) and torch.equal(
+        stacked.classify(three)[:, 1], features.classify(x[5:10].float())[:, 0]
+    )
+
+
+def test_fid_kid_prdc_and_modes_equal_their_definitions():
+    """FID == ‖μ_r − μ_f‖² + Tr(Σ_r + Σ_f − 2(Σ_r Σ_f)^½) on the classifier's features (scipy); a set against itself:
+    FID ≈ 0, precision = recall = coverage = 1; stacked digits from the data hit ~all 1,000 modes."""
+    import numpy as np
+    from scipy import linalg
+
+    from multiloss.data import StackedDigitsDataModule
+    from multiloss.digit_features import DigitFeatures, digits_split
+    from multiloss.gan_metrics import SampleQuality
+
+    _, _, x, _ = digits_split()
+    real, fake = x[:180].float(), (x[180:] * 0.7 + 0.1).float()
+    quality = SampleQuality((64,))
+    quality.update(real, real=True)
+    quality.update(fake, real=False)
+    scores = quality.compute()
+    fr, ff = (DigitFeatures()(t).double().numpy() for t in (real, fake))
+    mu_r, mu_f, cov_r, cov_f = fr.mean(0), ff.mean(0), np.cov(fr, rowvar=False), np.cov(ff, rowvar=False)
+    covmean = linalg.sqrtm(cov_r @ cov_f).real
+    reference = ((mu_r - mu_f) ** 2).sum() + np.trace(cov_r + cov_f - 2 * covmean)
+    assert float(scores["fid"]) == pytest.approx(reference, rel=1e-3)
+    assert 0 < float(scores["precision"]) < 1 and float(scores["kid"]) > 0
+    quality.reset()
+    quality.update(real, real=True)
+    quality.update(real.clone(), real=False)
+    same = quality.compute()
+    assert abs(float(same["fid"])) < 1e-2 and float(same["precision"]) == float(same["recall"]) == 1.0
+    assert float(same["coverage"]) == 1.0
+    stacked = StackedDigitsDataModule(val_fraction=0.0).load()
+    assert stacked["x"].shape == (20000, 192) and int(stacked["y"].max()) < 1000
+    quality = SampleQuality((192,))
+    quality.update(stacked["x"][:4000], real=True)
+    quality.update(stacked["x"][4000:], real=False)
+    modes = quality.compute()
+    assert float(modes["modes"]) > 990 and float(modes["kl_modes"]) < 0.1
+
+
+def test_metrics_need_digit_samples(make_cfg, tmp_path):
+    """``feature=digits`` on the 2-D Gaussians: one message naming the key, before a file is written."""
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("recipe=gan", "+model.metrics.feature=digits", "trainer.max_steps=1", output_dir=tmp_path / "r"))
+    assert err.value.key == "model.metrics.feature" and "(2,)" in err.value.message
+    assert not (tmp_path / "r" / "checkpoints").exists()
