@@ -134,8 +134,10 @@ class GAN(Recipe):
     = k, and every k-th batch (and an epoch's last) D's clipping, step and zeroing. Then, right after
     D has stepped, a generator step of k micro-batches through the updated D, with only G's weights
     requiring grad — after every ``n_critic``-th D step (``g_step_after=last``, the WGAN-GP paper's
-    Algorithm 1) or after the first of every ``n_critic`` (``first``, PyTorch-GAN's ``i % n_critic ==
-    0``: batches 0, n, 2n, ... of each epoch). G's input, ``g_input``: ``fresh`` noise (Algorithm 1),
+    Algorithm 1), after the first of every ``n_critic`` (``first``, PyTorch-GAN's ``i % n_critic ==
+    0``: batches 0, n, 2n, ... of each epoch), or before the group's first D micro-batch (``before``,
+    stylegan2-ada's phase order Gmain, Dmain, Dreg; fresh noise only; the relativistic G pairs with the batch's
+    reals). G's input, ``g_input``: ``fresh`` noise (Algorithm 1),
     ``same_z`` — G run again on the noise of the D step just taken (PyTorch-GAN; under k, micro-batch
     i on the noise of D's micro-batch i) — or ``same_fakes`` — G's loss through the very fakes D scored
     detached, one G forward a batch, its graph kept from D's micro-batch to G's step (DCGAN, and every
@@ -219,7 +221,7 @@ class GAN(Recipe):
         n_plot_samples: int = 1000,
         noise_seed: int = 0,
         g_input: Literal["fresh", "same_fakes", "same_z"] = "fresh",
-        g_step_after: Literal["last", "first"] = "last",
+        g_step_after: Literal["last", "first", "before"] = "last",
         g_ema: dict[str, Any] | None = None,
         augment: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
@@ -265,7 +267,13 @@ class GAN(Recipe):
         )
         require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
         require(g_input in ("fresh", "same_fakes", "same_z"), "g_input", g_input, "fresh, same_fakes or same_z")
-        require(g_step_after in ("last", "first"), "g_step_after", g_step_after, "last or first")
+        require(g_step_after in ("last", "first", "before"), "g_step_after", g_step_after, "last, first or before")
+        require(
+            g_step_after != "before" or g_input == "fresh",
+            "g_input",
+            g_input,
+            "fresh with g_step_after=before (G steps before D has drawn its noise or scored its fakes)",
+        )
         require(
             g_input != "same_fakes" or self.accumulate_grad_batches == 1,
             "g_input",
@@ -506,6 +514,8 @@ class GAN(Recipe):
         batch, (opt_g, opt_d) = self.prepare_batch(batch), self.optimizers()
         real = batch["x"]
         g_steps = self.generator_steps_after(batch_idx)
+        if g_steps and self.g_step_after == "before":  # stylegan2-ada's order: Gmain, then Dmain (and Dreg)
+            self.generator_step(opt_g, real)
         z, eps = self.noise(len(real))
         # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step below (through G's own
         # DDP wrapper, whose backward is then G's step's).
@@ -538,19 +548,25 @@ class GAN(Recipe):
         # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
         # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
         # (A batch without G's step only advances G's epoch schedule: nothing to toggle.)
+        if self.g_step_after != "before":
+            self.generator_step(opt_g, real, g_steps, kept)
+        if g_steps and self.generator_ema is not None:
+            self.generator_ema.update(self.generator)  # after G's step and the batch's D step: the images D saw
+        if d_step.stepping:
+            self._d_micro = []  # the next D step's micro-batches start a new list
+
+    def generator_step(self, opt_g: Any, real: torch.Tensor, g_steps: bool = True, kept: Any = None) -> None:
+        """G's step (or, ``g_steps`` false, only its epoch schedule): k micro-batches through D as it is now."""
         with self.step_of(opt_g, stepping=g_steps, components=("generator",), toggle=g_steps) as g_step:
             g_losses = []
             for micro in g_step.micro_batches(self.accumulate_grad_batches if g_steps else 0):
                 fake = kept if kept is not None else self.generator_output(micro, len(real))
-                g_loss = self.generator_loss(fake, self._d_micro[micro].real if self.loss in PAIRED else None)
+                paired = (self._d_micro[micro].real if self._d_micro else real) if self.loss in PAIRED else None
+                g_loss = self.generator_loss(fake, paired)
                 g_step.backward(g_loss)
                 g_losses.append(g_loss.detach())
             if g_losses:
                 self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
-        if g_steps and self.generator_ema is not None:
-            self.generator_ema.update(self.generator)  # after G's step: its new weights, and the images D saw
-        if d_step.stepping:
-            self._d_micro = []  # the next D step's micro-batches start a new list
 
     def adapt_augmentation(self, batch_size: int) -> None:
         """ADA: every ``ada_interval`` D steps (the 0th, then every interval, as stylegan2-ada's ``batch_idx %
@@ -580,9 +596,12 @@ class GAN(Recipe):
             self.log_losses({self.penalty: torch.stack(values).mean()}, batch_size=len(self._d_micro[0].real))
 
     def generator_steps_after(self, batch_idx: int) -> bool:
-        """Whether G steps after training batch ``batch_idx``: after D's n_critic-th step of a group (``last``), or
-        its first (``first``); D's steps counted from the epoch's start, k micro-batches each."""
+        """Whether G steps in training batch ``batch_idx``: after D's n_critic-th step of a group (``last``), after
+        its first (``first``), or before the group's first D micro-batch (``before``: stylegan2-ada's Gmain before
+        Dmain); D's steps counted from the epoch's start, k micro-batches each."""
         k = self.accumulate_grad_batches
+        if self.g_step_after == "before":  # the batch that starts a group of n_critic D steps
+            return batch_idx % (k * self.n_critic) == 0
         if (batch_idx + 1) % k:
             return False
         d_step = (batch_idx + 1) // k - 1  # the D step this batch ends, from 0
