@@ -231,10 +231,10 @@ class GAN(Recipe):
         super().__init__(**step_options)
         if gp_weight is not None:  # the one-key form of older runs: gp_weight=λ was penalty=gp at λ (0: none)
             require(
-                penalty == "none",
+                penalty in ("gp", "none"),
                 "gp_weight",
                 gp_weight,
-                "unset with model.penalty (model.penalty=gp model.penalty_weight=<λ> is what gp_weight=<λ> was)",
+                f"unset with model.penalty={penalty} (gp_weight=<λ> is model.penalty=gp model.penalty_weight=<λ>)",
             )
             penalty, penalty_weight = ("gp" if gp_weight else "none"), gp_weight
         for key, value in (

@@ -93,6 +93,9 @@ def _assert_resumed_to(got: dict, case: str) -> None:
 @pytest.mark.parametrize("case", ONE_PROCESS)
 def test_a_checkpoint_of_every_recipe_of_e12c38f_resumes_to_its_weights(make_cfg, tmp_path, case):
     overrides = [o for o in (*MADE.QUIET, *MADE.CASES[case]) if o not in QUIET]  # (make_cfg adds QUIET)
+    # The run's own command line, but for the key since renamed: `model.gp_weight` is no longer in the config, and
+    # `+model.gp_weight=<λ>` still means penalty=gp at λ (what the checkpoint's hyper-parameters say too).
+    overrides = [f"+{o}" if o.startswith("model.gp_weight=") else o for o in overrides]
     cfg = make_cfg(*overrides, "trainer.max_epochs=3", f"ckpt_path={E12C38F / f'{case}.ckpt'}")
     train(cfg)
     _assert_resumed_to(torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["state_dict"], case)
