@@ -20,6 +20,7 @@ the batch: stylegan2-ada sums the rounds' means where multiloss averages its mic
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning as L
 import pytest
@@ -512,3 +513,61 @@ def test_metrics_need_digit_samples(make_cfg, tmp_path):
         train(make_cfg("recipe=gan", "+model.metrics.feature=digits", "trainer.max_steps=1", output_dir=tmp_path / "r"))
     assert err.value.key == "model.metrics.feature" and "(2,)" in err.value.message
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+# --- penalties under 16-mixed: AMP's gradient-penalty recipe --------------------------------------------------
+
+
+def _tiny_scores_critic(device: str) -> torch.nn.Module:
+    """A critic whose input gradients are ~1e-9: below float16's smallest subnormal (6e-8) unless scaled."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    with torch.no_grad():
+        critic[2].weight.mul_(1e-8)
+    return critic
+
+
+def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
+    """Scaled scores, unscaled gradient: the same gradient as without a scaler (float32, CPU), and the penalty's
+    gradient reaches D's weights through it."""
+    from multiloss.gan_objectives import input_gradient, penalty
+
+    critic, x = _tiny_scores_critic("cpu"), torch.randn(32, 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    plain, _ = input_gradient(critic, x)
+    scaled, _ = input_gradient(critic, x, scaler)
+    torch.testing.assert_close(scaled, plain, rtol=1e-6, atol=0)
+    value = penalty("r1", critic, x, x, scaler=scaler)
+    assert torch.autograd.grad(value, critic[0].weight)[0].abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed needs a CUDA GPU (this machine has none)")
+def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
+    """On a GPU under float16 autocast: without the scaler the R1 input gradient underflows to 0; with it (the
+    recipe's path) it equals float32's to 1e-2. Then a 16-mixed run with lazy R1 and G_ema trains, finite."""
+    from multiloss.gan_objectives import input_gradient
+
+    critic, x = _tiny_scores_critic("cuda"), torch.randn(32, 8, device="cuda")
+    reference, _ = input_gradient(critic, x)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)
+    with torch.autocast("cuda", dtype=torch.float16):
+        underflow, _ = input_gradient(critic, x)
+        scaled, _ = input_gradient(critic, x, scaler)
+    assert underflow.abs().max() == 0 and reference.abs().max() > 0
+    torch.testing.assert_close(scaled.float(), reference, rtol=1e-2, atol=1e-12)
+    overrides = (
+        "recipe=gan",
+        "trainer.accelerator=gpu",
+        "trainer.devices=1",
+        "trainer.precision=16-mixed",
+        "model.loss=nonsaturating",
+        "model.penalty=r1",
+        "model.penalty_weight=1.0",
+        "model.penalty_every=4",
+        "+model.g_ema.half_life_images=500",
+        "model.n_plot_samples=0",
+        "trainer.max_steps=24",
+        "trainer.limit_val_batches=2",
+    )
+    metrics = train(make_cfg(*overrides, output_dir=tmp_path))
+    assert all(math.isfinite(metrics[k]) for k in ("loss/d", "loss/g", "loss/r1")), metrics
