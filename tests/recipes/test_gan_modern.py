@@ -518,13 +518,21 @@ def test_metrics_need_digit_samples(make_cfg, tmp_path):
 # --- penalties under 16-mixed: AMP's gradient-penalty recipe --------------------------------------------------
 
 
+class _Times(torch.nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
 def _tiny_scores_critic(device: str) -> torch.nn.Module:
-    """A critic whose input gradients are ~1e-9: below float16's smallest subnormal (6e-8) unless scaled."""
+    """A critic whose scores are multiplied by 1e-8 at the end: the gradients below them are ~1e-9, under float16's
+    smallest subnormal (6e-8) unless scaled (its weights themselves are ordinary, as float16 holds them)."""
     torch.manual_seed(0)
-    critic = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
-    with torch.no_grad():
-        critic[2].weight.mul_(1e-8)
-    return critic
+    layers = (torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1), _Times(1e-8))
+    return torch.nn.Sequential(*layers).to(device)
 
 
 def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
