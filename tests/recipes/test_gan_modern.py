@@ -564,7 +564,7 @@ def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
         underflow, _ = input_gradient(critic, x)
         scaled, _ = input_gradient(critic, x, scaler)
     assert underflow.abs().max() == 0 and reference.abs().max() > 0
-    torch.testing.assert_close(scaled.float(), reference, rtol=1e-2, atol=1e-12)
+    torch.testing.assert_close(scaled.float(), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
     overrides = (
         "recipe=gan",
         "trainer.accelerator=gpu",
