@@ -5,8 +5,11 @@ formula; the recipe picks one by ``model.loss``. A penalty is a function of ∇�
 (R1), the generated samples (R2) or random interpolates between the two (WGAN-GP) — so it is a double backward:
 ``torch.autograd.grad(..., create_graph=True)`` keeps that gradient's graph for the penalty's own backward.
 Under ``16-mixed`` the input gradient follows PyTorch's AMP recipe for gradient penalties ("Gradient penalty",
-AMP examples): the scores are scaled by the GradScaler before ``autograd.grad`` (so small gradients do not
-underflow in float16) and the gradient is divided by the scale before the penalty is formed.
+AMP examples): the scores' mean is scaled by the GradScaler before ``autograd.grad`` (so small gradients do not
+underflow in float16) and the gradient unscaled before the penalty is formed. Should it overflow all the same,
+the penalty is inf, D's gradients with it, and the GradScaler skips that step and lowers its scale, as it does
+for any overflow; the non-finite guard (``nonfinite=stop``) stops on the inf loss, ``nonfinite=skip`` lets the
+scaler's skip stand.
 """
 
 from __future__ import annotations
@@ -105,13 +108,14 @@ def input_gradient(
     """
     x = x.detach().requires_grad_(True)
     scores = critic(x)
-    out = scores.sum()
-    if scaler is not None:
-        out = scaler.scale(out)
-    (grad,) = torch.autograd.grad(out, x, create_graph=True)
-    if scaler is not None:
-        grad = grad / scaler.get_scale()
-    return grad, scores
+    if scaler is None:
+        (grad,) = torch.autograd.grad(scores.sum(), x, create_graph=True)
+        return grad, scores
+    # The scaled *mean* (a loss, as the recipe scales one): each score's gradient is scale / n, not the scale itself,
+    # which float16 cannot hold at GradScaler's starting 2**16.
+    n = scores.numel()
+    (grad,) = torch.autograd.grad(scaler.scale(scores.sum() / n), x, create_graph=True)
+    return grad * (n / scaler.get_scale()), scores
 
 
 def penalty(
