@@ -552,7 +552,8 @@ def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed needs a CUDA GPU (this machine has none)")
 def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
     """On a GPU under float16 autocast: without the scaler the R1 input gradient underflows to 0; with it (the
-    recipe's path) it equals float32's to 5 % of its largest value (float16 subnormals). Then a 16-mixed run with lazy R1 and G_ema trains, finite."""
+    recipe's path) it equals float32's to 5 % of its largest value (float16 subnormals). Then a 16-mixed run with
+    lazy R1 and G_ema trains, finite."""
     from multiloss.gan_objectives import input_gradient
 
     critic, x = _tiny_scores_critic("cuda"), torch.randn(32, 8, device="cuda")
