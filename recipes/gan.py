@@ -409,7 +409,8 @@ class GAN(Recipe):
             self.augment.set_sample_shape(self.sample_shape)
         if self.metrics_spec is not None and self._quality is None:
             try:
-                self._quality = SampleQuality(self.sample_shape, **self.metrics_spec).to(real.device)
+                quality = SampleQuality(self.sample_shape, **self.metrics_spec).to(real.device)
+                object.__setattr__(self, "_quality", quality)  # not a submodule (see __init__)
             except ConfigError as err:
                 raise err.under("model") from None
         # Mode coverage where the data has modes (the Gaussian mixtures), scored at every validation.

@@ -507,6 +507,31 @@ def test_fid_kid_prdc_and_modes_equal_their_definitions():
     assert float(modes["modes"]) > 990 and float(modes["kl_modes"]) < 0.1
 
 
+def test_metrics_are_logged_and_stay_out_of_the_checkpoint(make_cfg, tmp_path):
+    """A digits run with the metrics logs them per validation; the feature network is the shipped one, not the
+    run's: no checkpoint key of it, and ``load_from_checkpoint`` builds the module as before."""
+    from multiloss.recipes.gan import GAN
+
+    overrides = (
+        "recipe=gan",
+        "data=digits",
+        "model.data_dim=64",
+        "model.latent_dim=8",
+        "+model.metrics.feature=digits",
+        "+model.metrics.kid_subset_size=20",
+        "model.n_plot_samples=0",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=2",
+        "logger=csv",
+    )
+    metrics = train(make_cfg(*overrides, output_dir=tmp_path))
+    assert all(f"val/{n}" in metrics for n in ("fid", "kid", "precision", "recall", "density", "coverage"))
+    checkpoint = tmp_path / "checkpoints/last.ckpt"
+    assert not any("quality" in k for k in torch.load(checkpoint, weights_only=True)["state_dict"])
+    GAN.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False)
+
+
 def test_metrics_need_digit_samples(make_cfg, tmp_path):
     """``feature=digits`` on the 2-D Gaussians: one message naming the key, before a file is written."""
     with pytest.raises(ConfigError) as err:

@@ -1,0 +1,146 @@
+"""The modern GAN options, measured over seeds: mode coverage on 25 Gaussians, and G against G_ema on stacked digits.
+
+    python benchmarks/gan_modern.py                      # both parts, seeds 0-4
+    python benchmarks/gan_modern.py --part gaussians --seeds 0 1
+
+``gaussians``: ``data=gaussians25`` under a few configurations (the default WGAN-GP; the non-saturating loss
+with lazy R1 and G_ema; hinge with R1 and G_ema; relativistic with R1 + R2 as R3GAN pairs them): modes hit
+(of 25) and the share of samples within 3σ of a mode, scored on G_ema where it is on, mean ± std over the seeds.
+``stacked``: ``data=stacked_digits`` (1,000 modes) with G_ema: the digits-classifier FID, KID and mode count of
+G and of G_ema on the validation set, per seed, and in how many seeds G_ema's FID is the lower. A benchmark,
+not a test: the numbers depend on the machine and the seeds; CPU time ~1 min a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from multiloss import testing, train
+
+QUIET = (
+    "print_config=false",
+    "~callbacks.progress_bar",
+    "trainer.enable_progress_bar=false",
+    "trainer.accelerator=cpu",
+)
+GAUSSIANS = {
+    "wgan-gp (default)": (),
+    "nonsaturating + lazy R1 + G_ema": (
+        "model.loss=nonsaturating",
+        "model.penalty=r1",
+        "model.penalty_weight=0.1",
+        "model.penalty_every=16",
+        "model.n_critic=1",
+        "+model.g_ema.half_life_images=20000",
+        "+model.g_ema.rampup=0.05",
+    ),
+    "hinge + R1 + G_ema": (
+        "model.loss=hinge",
+        "model.penalty=r1",
+        "model.penalty_weight=0.1",
+        "model.n_critic=1",
+        "+model.g_ema.half_life_images=20000",
+    ),
+}
+STACKED = (
+    "recipe=gan",
+    "data=stacked_digits",
+    "model.data_dim=192",
+    "model.latent_dim=32",
+    "model.loss=nonsaturating",
+    "model.penalty=r1",
+    "model.penalty_weight=0.1",
+    "model.penalty_every=4",
+    "model.n_critic=1",
+    "+model.g_ema.half_life_images=5000",
+    "+model.g_ema.rampup=0.05",
+    "+model.metrics.feature=digits",
+    "trainer.max_epochs=8",
+)
+
+
+def gaussians(seeds: list[int]) -> None:
+    rows = []
+    for name, options in GAUSSIANS.items():
+        results = []
+        for seed in seeds:
+            out = tempfile.mkdtemp(prefix="gan25-")
+            cfg = testing.compose("recipe=gan", "data=gaussians25", *options, f"seed={seed}", *QUIET, output_dir=out)
+            metrics = train(cfg)
+            results.append((metrics["val/modes"], metrics["val/high_quality"]))
+            print(
+                f"{name}, seed {seed}: {results[-1][0]:.0f} modes, {100 * results[-1][1]:.1f} % within 3σ", flush=True
+            )
+        rows.append((name, results))
+    print(f"\ndata=gaussians25, seeds {seeds} (G_ema's samples where it is on): mean ± std")
+    print("| configuration | modes (of 25) | % within 3σ | all 25 and ≥ 90 % |")
+    print("|---|---:|---:|---:|")
+    for name, results in rows:
+        modes, quality = [r[0] for r in results], [100 * r[1] for r in results]
+        both = sum(m == 25 and q >= 90 for m, q in zip(modes, quality))
+        print(
+            f"| {name} | {statistics.mean(modes):.1f} ± {statistics.pstdev(modes):.1f} | "
+            f"{statistics.mean(quality):.1f} ± {statistics.pstdev(quality):.1f} | {both}/{len(seeds)} |"
+        )
+
+
+def quality_of(generator: torch.nn.Module, module, real: torch.Tensor) -> dict[str, float]:
+    from multiloss.gan_metrics import SampleQuality
+
+    quality = SampleQuality(tuple(real.shape[1:]))
+    quality.update(real, real=True)
+    z = torch.randn(len(real), module.latent_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        quality.update(generator(z), real=False)
+    return {k: float(v) for k, v in quality.compute().items()}
+
+
+def stacked(seeds: list[int]) -> None:
+    from multiloss.recipes.gan import GAN
+
+    rows = []
+    for seed in seeds:
+        out = Path(tempfile.mkdtemp(prefix="stacked-"))
+        cfg = testing.compose(*STACKED, f"seed={seed}", *QUIET, output_dir=out)
+        train(cfg)
+        module = GAN.load_from_checkpoint(out / "checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+        datamodule, _ = testing.build(cfg)
+        datamodule.setup("fit")
+        real = datamodule.val_set.datasets["x"]
+        g, ema = quality_of(module.generator, module, real), quality_of(module.generator_ema, module, real)
+        rows.append((seed, g, ema))
+        print(
+            f"seed {seed}: FID G {g['fid']:.1f} / G_ema {ema['fid']:.1f}; modes {g['modes']:.0f} / {ema['modes']:.0f}"
+        )
+    print(f"\ndata=stacked_digits (1,000 modes), {len(real)} validation samples, digits features v1, seeds {seeds}")
+    print("| seed | FID G | FID G_ema | KID G | KID G_ema | modes G | modes G_ema | coverage G | coverage G_ema |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for seed, g, ema in rows:
+        print(
+            f"| {seed} | {g['fid']:.1f} | {ema['fid']:.1f} | {g['kid']:.2f} | {ema['kid']:.2f} | {g['modes']:.0f} | "
+            f"{ema['modes']:.0f} | {g['coverage']:.3f} | {ema['coverage']:.3f} |"
+        )
+    better = sum(ema["fid"] < g["fid"] for _, g, ema in rows)
+    print(f"G_ema's FID lower in {better} of {len(rows)} seeds")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("gaussians", "stacked", "both"), default="both")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.part in ("stacked", "both"):
+        stacked(args.seeds)
+    if args.part in ("gaussians", "both"):
+        gaussians(args.seeds)
+
+
+if __name__ == "__main__":
+    main()
