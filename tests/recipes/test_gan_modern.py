@@ -32,6 +32,7 @@ from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
 from tests.conftest import BARE, SMALL_GAN, load_weights
 from tests.helpers import straight_and_resumed
+from tests.recipes.test_gan_stylegan2_ada import stylegan_ema_update
 
 BATCH = 64
 LAZY = (
@@ -46,6 +47,17 @@ LAZY = (
     "model.penalty_every=4",
     "model.n_critic=1",
     "scheduler=constant",
+)
+
+
+# A run that writes checkpoints (straight_and_resumed): 3 epochs of 6 batches, no validation.
+RESUMABLE = (
+    "trainer.accelerator=cpu",
+    "trainer.limit_val_batches=0",
+    "logger=none",
+    "~callbacks.loss_curves",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=6",
 )
 
 
@@ -138,16 +150,7 @@ def test_lazy_r1_equals_stylegan2_adas_phases(make_cfg):
 def test_resume_mid_run_equals_straight_run(make_cfg, tmp_path, options):
     """Stopped between two lazy steps (the D-step count rides in the checkpoint: the phase goes on) and resumed
     == straight through, 0.0 on every weight and Adam state."""
-    common = (
-        *(o for o in LAZY if o not in BARE),
-        "trainer.accelerator=cpu",
-        "trainer.limit_val_batches=0",
-        "logger=none",
-        "~callbacks.loss_curves",
-        "trainer.max_epochs=3",
-        "trainer.limit_train_batches=6",
-        *options,
-    )
+    common = (*(o for o in LAZY if o not in BARE), *RESUMABLE, *options)
     runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=10", end="trainer.max_steps=22")
     straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
@@ -190,19 +193,6 @@ def test_a_penalty_refuses_batch_norm_and_the_old_key_still_loads(make_cfg, tmp_
 # --- the generator EMA ---------------------------------------------------------------------------------------
 
 
-def _stylegan_ema(G_ema, G, cur_nimg: int, batch_size: int, ema_kimg: float, ema_rampup: float | None) -> None:
-    """stylegan2-ada-pytorch d72cc7d ``training/training_loop.py`` 296-304, as written there."""
-    with torch.no_grad():
-        ema_nimg = ema_kimg * 1000
-        if ema_rampup is not None:
-            ema_nimg = min(ema_nimg, cur_nimg * ema_rampup)
-        ema_beta = 0.5 ** (batch_size / max(ema_nimg, 1e-8))
-        for p_ema, p in zip(G_ema.parameters(), G.parameters()):
-            p_ema.copy_(p.lerp(p_ema, ema_beta))
-        for b_ema, b in zip(G_ema.buffers(), G.buffers()):
-            b_ema.copy_(b)
-
-
 def _studiogan_ema(G_ema, G, it: int, decay: float, start_iter: int) -> None:
     """POSTECH-CVLab/PyTorch-StudioGAN 947b35e ``src/utils/ema.py`` 27-40 (``Ema.update``), its parameters' part;
     its buffers are copied here (multiloss's convention; ``Ema`` averages them, see `multiloss.generator_ema`)."""
@@ -223,8 +213,8 @@ def test_the_ema_follows_both_references_and_copies_batch_norm():
     torch.manual_seed(0)
     G = MLP(3, 4, width=8, batch_norm=True)
     for kwargs, reference in (
-        ({"half_life_images": 300.0, "rampup": 0.5}, lambda e, n, i: _stylegan_ema(e, G, n, 64, 0.3, 0.5)),
-        ({"half_life_images": 300.0}, lambda e, n, i: _stylegan_ema(e, G, n, 64, 0.3, None)),
+        ({"half_life_images": 300.0, "rampup": 0.5}, lambda e, n, i: stylegan_ema_update(e, G, n, 64, 0.3, 0.5)),
+        ({"half_life_images": 300.0}, lambda e, n, i: stylegan_ema_update(e, G, n, 64, 0.3, None)),
         ({"decay": 0.9, "start_step": 2}, lambda e, n, i: _studiogan_ema(e, G, i, 0.9, 2)),
     ):
         ema, ref = GeneratorEMA(G, **kwargs), copy.deepcopy(G)
@@ -257,12 +247,7 @@ EMA = (
     "model.n_critic=2",
     "+model.g_ema.half_life_images=500",
     "+model.g_ema.rampup=0.5",
-    "trainer.accelerator=cpu",
-    "trainer.limit_val_batches=0",
-    "logger=none",
-    "~callbacks.loss_curves",
-    "trainer.max_epochs=3",
-    "trainer.limit_train_batches=6",
+    *RESUMABLE,
 )
 
 
@@ -290,7 +275,7 @@ def test_the_recipes_ema_is_the_average_of_its_generators_steps(make_cfg):
     G = copy.deepcopy(model.generator)
     for i, weights in enumerate(after.weights):
         G.load_state_dict(weights)
-        _stylegan_ema(reference, G, 128 * i, 128, 0.5, 0.5)
+        stylegan_ema_update(reference, G, 128 * i, 128, 0.5, 0.5)
     for a, b in zip(model.generator_ema.average.state_dict().values(), reference.state_dict().values()):
         assert torch.equal(a, b)
     assert int(model.generator_ema.images) == 4 * 128

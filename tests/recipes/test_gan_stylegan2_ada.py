@@ -132,6 +132,19 @@ def _accumulate_gradients(phase, G, D, real_img, gen_z, gain):
         (real_logits * 0 + loss_Dreal + loss_Dr1).mean().mul(gain).backward()
 
 
+def stylegan_ema_update(G_ema, G, cur_nimg: int, batch_size: int, ema_kimg: float, ema_rampup: float | None) -> None:
+    """training/training_loop.py 296-304 (``Gema``), as written there."""
+    with torch.no_grad():
+        ema_nimg = ema_kimg * 1000
+        if ema_rampup is not None:
+            ema_nimg = min(ema_nimg, cur_nimg * ema_rampup)
+        ema_beta = 0.5 ** (batch_size / max(ema_nimg, 1e-8))
+        for p_ema, p in zip(G_ema.parameters(), G.parameters()):
+            p_ema.copy_(p.lerp(p_ema, ema_beta))
+        for b_ema, b in zip(G_ema.buffers(), G.buffers()):
+            b_ema.copy_(b)
+
+
 def _stylegan2_ada_loop(G, D, reals, noise):
     """training/training_loop.py, the phases and the G_ema update, one round per phase."""
     G_ema = copy.deepcopy(G).eval()
@@ -159,15 +172,7 @@ def _stylegan2_ada_loop(G, D, reals, noise):
                 if param.grad is not None:
                     torch.nan_to_num(param.grad, nan=0, posinf=1e5, neginf=-1e5, out=param.grad)
             phase["opt"].step()
-        with torch.no_grad():
-            ema_nimg = EMA_KIMG * 1000
-            if EMA_RAMPUP is not None:
-                ema_nimg = min(ema_nimg, cur_nimg * EMA_RAMPUP)
-            ema_beta = 0.5 ** (BATCH / max(ema_nimg, 1e-8))
-            for p_ema, p in zip(G_ema.parameters(), G.parameters()):
-                p_ema.copy_(p.lerp(p_ema, ema_beta))
-            for b_ema, b in zip(G_ema.buffers(), G.buffers()):
-                b_ema.copy_(b)
+        stylegan_ema_update(G_ema, G, cur_nimg, BATCH, EMA_KIMG, EMA_RAMPUP)
         cur_nimg += BATCH
     return G_ema, phases[0]["opt"], opt
 
