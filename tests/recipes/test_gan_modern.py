@@ -590,3 +590,31 @@ def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
     )
     metrics = train(make_cfg(*overrides, output_dir=tmp_path))
     assert all(math.isfinite(metrics[k]) for k in ("loss/d", "loss/g", "loss/r1")), metrics
+
+
+def test_a_sigterm_mid_epoch_and_its_resume_equal_the_straight_run(make_cfg, tmp_path):
+    """The modern options together (relativistic, lazy R1, G_ema, DiffAugment + ADA on the digits): a SIGTERM
+    mid-epoch 1 (saved as the step it reached) and ``ckpt_path=last`` == the straight run, 0.0 on every weight and
+    buffer — G_ema and its image count, p and the sign sums included."""
+    from multiloss.callbacks import RunPreempted
+
+    common = (
+        *(o for o in ADA if o not in ("trainer.limit_train_batches=8",)),
+        "model.loss=relativistic",
+        "+model.g_ema.half_life_images=300",
+        "+model.g_ema.rampup=0.5",
+        "trainer.limit_train_batches=10",
+    )
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, output_dir=straight))
+    signal = ("+callbacks.signal._target_=tests.helpers.SignalAt", "+callbacks.signal.step=26")  # epoch 1, batch 3
+    with pytest.raises(RunPreempted):
+        train(make_cfg(*common, *signal, output_dir=run))
+    stopped = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    # The step it reached: mid-epoch 1 (15 steps an epoch: 10 D steps and, n_critic 2, 5 G steps); G_ema has
+    # counted every real image D saw.
+    assert 15 < stopped["global_step"] < 30
+    assert int(stopped["state_dict"]["generator_ema.images"]) == stopped["gan_d_steps"] * 32
+    train(make_cfg(*common, "ckpt_path=last", output_dir=run))
+    expected, got = (load_weights(r / "checkpoints/last.ckpt") for r in (straight, run))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
