@@ -62,7 +62,8 @@ from multiloss.components import build_module, build_optimizer_factory, names_gi
 from multiloss.config import ConfigError, require
 from multiloss.distributed import synced
 from multiloss.gan_augment import build_augment
-from multiloss.gan_metrics import FEATURES, SampleQuality
+from multiloss.gan_metrics import SampleQuality
+from multiloss.gan_metrics import check_options as check_quality_options
 from multiloss.gan_objectives import (
     LOSSES,
     PAIRED,
@@ -102,10 +103,6 @@ class _DMicroBatch:
     real: torch.Tensor
     fake: torch.Tensor  # detached
     eps: torch.Tensor
-
-
-EMA_KEYS = ("half_life_images", "rampup", "decay", "start_step")  # model.g_ema's (multiloss.generator_ema)
-QUALITY_KEYS = ("feature", "kid_subset_size", "kid_subsets", "nearest_k", "stacked_modes")  # model.metrics'
 
 
 class GAN(Recipe):
@@ -301,27 +298,14 @@ class GAN(Recipe):
 
         self.generator = build_module(generator, "generator")
         self.discriminator = build_module(discriminator, "discriminator")
-        g_ema = to_plain(g_ema)
-        require(g_ema is None or isinstance(g_ema, dict), "g_ema", g_ema, "a mapping of the EMA's keys, or null (off)")
-        if g_ema is not None:
-            unknown = sorted(set(g_ema) - set(EMA_KEYS))
-            require(not unknown, f"g_ema.{unknown[0] if unknown else ''}", g_ema, f"keys {', '.join(EMA_KEYS)}")
         # The average sits beside G: sharded like it under FSDP2 (a component of its own), never wrapped by DDP (it
         # is not trained; the ranks' copies stay equal because their G's do).
-        self.generator_ema = GeneratorEMA(self.generator, **g_ema) if g_ema is not None else None
+        self.generator_ema = GeneratorEMA.from_options(self.generator, to_plain(g_ema))
         if self.generator_ema is not None:
             self.components = (*self.components, "generator_ema")
         self.augment = build_augment(to_plain(augment))  # what D sees in training (multiloss.gan_augment)
-        metrics = to_plain(metrics)
-        require(
-            metrics is None or isinstance(metrics, dict), "metrics", metrics, "a mapping (feature: digits), or null"
-        )
-        if metrics is not None:
-            unknown = sorted(set(metrics) - set(QUALITY_KEYS))
-            require(not unknown, f"metrics.{unknown[0] if unknown else ''}", metrics, f"keys {', '.join(QUALITY_KEYS)}")
-            feature = metrics.get("feature", "digits")
-            require(feature in FEATURES, "metrics.feature", feature, ", ".join(FEATURES))
-        self.metrics_spec = metrics
+        self.metrics_spec = to_plain(metrics)
+        check_quality_options(self.metrics_spec)
         # Built at setup (it needs the data's sample shape), and kept out of the module tree: its feature network's
         # weights are the shipped ones, not the run's, so neither a checkpoint nor load_from_checkpoint holds them.
         self._quality: SampleQuality | None = None

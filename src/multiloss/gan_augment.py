@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multiloss.components import build_callable
-from multiloss.config import ConfigError, require
+from multiloss.config import ConfigError, require, require_options
 
 # policy -> how many random numbers per sample its transforms take (in the order DiffAugment draws them).
 POLICIES = {"color": 3, "translation": 2, "cutout": 2}
@@ -206,10 +206,7 @@ def build_augment(spec: Any) -> Augment | None:
     """``model.augment`` (a mapping, its ``transform`` already built) as an `Augment`, or None when null."""
     if spec is None:
         return None
-    require(isinstance(spec, dict), "augment", spec, "a mapping (policy, p, ada_target, …), or null (off)")
-    keys = ("policy", "transform", "p", "ada_target", "ada_interval", "ada_kimg")
-    unknown = sorted(set(spec) - set(keys))
-    require(not unknown, f"augment.{unknown[0] if unknown else ''}", spec, f"keys {', '.join(keys)}")
+    require_options(spec, "augment", ("policy", "transform", "p", "ada_target", "ada_interval", "ada_kimg"))
     if isinstance(spec.get("policy"), list | tuple):  # [color, translation] from the shell (a comma is a sweep there)
         spec = {**spec, "policy": ",".join(map(str, spec["policy"]))}
     if spec.get("transform") is not None:

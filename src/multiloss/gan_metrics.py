@@ -22,7 +22,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 from torchmetrics.utilities import dim_zero_cat
 
-from multiloss.config import ConfigError, require
+from multiloss.config import ConfigError, require, require_options
 from multiloss.digit_features import PIXELS, VERSION, DigitFeatures
 
 FEATURES = ("digits", "inception")
@@ -93,6 +93,17 @@ class _InceptionOnImages(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inception((_to_images(x) * 255).byte())
+
+
+OPTIONS = ("feature", "kid_subset_size", "kid_subsets", "nearest_k", "stacked_modes")  # model.metrics'
+
+
+def check_options(options: dict | None) -> None:
+    """``model.metrics`` checked as far as it can be before the data's sample shape is known (null: off)."""
+    if options is not None:
+        require_options(options, "metrics", OPTIONS)
+        feature = options.get("feature", "digits")
+        require(feature in FEATURES, "metrics.feature", feature, ", ".join(FEATURES))
 
 
 class SampleQuality(nn.Module):

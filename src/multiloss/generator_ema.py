@@ -26,7 +26,7 @@ import copy
 import torch
 from torch import nn
 
-from multiloss.config import require
+from multiloss.config import require, require_options
 
 
 class GeneratorEMA(nn.Module):
@@ -76,23 +76,45 @@ class GeneratorEMA(nn.Module):
         self.register_buffer("images", torch.zeros((), dtype=torch.long))  # real images shown to D so far
         self.register_buffer("images_at_update", torch.zeros((), dtype=torch.long))
         self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+        # The counts as host integers, the buffers written from them (a write does not wait for the device; reading
+        # a GPU buffer every G step would). Read back from the buffers once after a checkpoint loads them.
+        self._counts: list[int] | None = [0, 0, 0]  # images, images at the last update, updates
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._counts = None
+
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = [int(self.images), int(self.images_at_update), int(self.updates)]
+        return self._counts
+
+    @classmethod
+    def from_options(cls, generator: nn.Module, options: dict | None) -> GeneratorEMA | None:
+        """``model.g_ema`` (null: off) for ``generator``."""
+        if options is None:
+            return None
+        require_options(options, "g_ema", ("half_life_images", "rampup", "decay", "start_step"))
+        return cls(generator, **options)
 
     def forward(self, *args, **kwargs):
         return self.average(*args, **kwargs)
 
     def count(self, images: int) -> None:
         """``images`` more real images shown to D (a D micro-batch: its batch times the ranks)."""
-        self.images += images
+        counts = self.counts()
+        counts[0] += images
+        self.images.fill_(counts[0])
 
     def beta(self) -> float:
         """The weight of the old average in this update."""
+        images, before, updates = self.counts()
         if self.decay is not None:
-            return 0.0 if int(self.updates) < self.start_step else self.decay
+            return 0.0 if updates < self.start_step else self.decay
         half_life = self.half_life_images
-        before = int(self.images_at_update)
         if self.rampup is not None:
             half_life = min(half_life, before * self.rampup)
-        return 0.5 ** ((int(self.images) - before) / max(half_life, 1e-8))
+        return 0.5 ** ((images - before) / max(half_life, 1e-8))
 
     @torch.no_grad()
     def update(self, generator: nn.Module) -> None:
@@ -102,5 +124,7 @@ class GeneratorEMA(nn.Module):
             p_ema.copy_(p.detach().lerp(p_ema, beta))
         for b_ema, b in zip(self.average.buffers(), generator.buffers(), strict=True):
             b_ema.copy_(b)
-        self.images_at_update.copy_(self.images)
-        self.updates += 1
+        counts = self.counts()
+        counts[1], counts[2] = counts[0], counts[2] + 1
+        self.images_at_update.fill_(counts[1])
+        self.updates.fill_(counts[2])

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from multiloss.components import to_plain
-from multiloss.config import require
+from multiloss.config import require, require_options
 
 
 def shard_components(
@@ -141,8 +141,7 @@ def fsdp_options(fsdp: Any) -> dict[str, Any]:
     """``model.fsdp`` checked: ``shard`` (names, or null: each child) and ``checkpoint`` (the classes whose activations
     are recomputed); one name on the command line (``fsdp.checkpoint=Block``) is a list of one."""
     options = {"shard": None, "checkpoint": [], **to_plain(fsdp or {})}
-    unknown = sorted(set(options) - {"shard", "checkpoint"})
-    require(not unknown, f"fsdp.{unknown[0] if unknown else ''}", options, "shard and checkpoint", "unknown key")
+    require_options(options, "fsdp", ("shard", "checkpoint"))
     for key in ("shard", "checkpoint"):
         value = options[key]
         value = [value] if isinstance(value, str) else value

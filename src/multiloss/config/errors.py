@@ -35,3 +35,12 @@ def require(ok: bool, key: str, value: Any, accepted: str, problem: str | None =
     """Raise `ConfigError` unless ``ok``; the one-line guard recipes and data modules use."""
     if not ok:
         raise ConfigError(key, value, accepted, problem)
+
+
+def require_options(spec: Any, key: str, keys: tuple[str, ...]) -> None:
+    """An options node (``model.g_ema``, ``model.fsdp``…): a mapping whose keys are among ``keys``; the first unknown
+    one is the error's key (``g_ema.decy``)."""
+    require(isinstance(spec, dict), key, spec, f"a mapping of {', '.join(keys)}, or null")
+    unknown = sorted(set(spec) - set(keys))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", spec[unknown[0]], f"{key}'s keys: {', '.join(keys)}", "unknown key")
