@@ -459,16 +459,21 @@ class GAN(Recipe):
             critic = self.seen_by(critic)
         d_real = critic(real)
         if with_penalty and self.augment is not None and self.augment.adaptive:
-            stats = self.augment.statistic(d_real)
-            if self.attached_trainer is not None:  # every rank here, per micro-batch: the sums are global
-                stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
-            self.augment.observe(stats)
+            self.observe_real_scores(d_real)
         losses = discriminator_terms(self.loss, d_real, critic(fake))
         total = sum(losses.values())
         if with_penalty and self.penalty != "none" and self.penalty_every == 1:
             losses[self.penalty] = self.penalty_value(critic, real, fake, eps)
             total = total + self.penalty_weight * losses[self.penalty]
         return {**losses, "d": total}
+
+    def observe_real_scores(self, scores: torch.Tensor) -> None:
+        """ADA's r_t: these scores of (augmented) reals join the interval's sign sums, summed over the ranks (every
+        rank reaches this at the same point: each D micro-batch, and each lazy R1 micro-batch)."""
+        stats = self.augment.statistic(scores)
+        if self.attached_trainer is not None:
+            stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        self.augment.observe(stats)
 
     def penalty_value(
         self, critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None
@@ -574,11 +579,24 @@ class GAN(Recipe):
             for micro in reg.micro_batches(len(self._d_micro)):
                 kept = self._d_micro[micro]
                 critic = self.seen_by(synced(self, "discriminator"))
+                if self.penalty == "r1" and self.augment is not None and self.augment.adaptive:
+                    critic = self.observing(critic)
                 value = self.penalty_value(critic, kept.real, kept.fake, kept.eps)
                 # Divided by the micro-batches taken (an epoch's last D step may have fewer than k).
                 reg.backward(self.penalty_every * self.penalty_weight * value / len(self._d_micro), scaled=True)
                 values.append(value.detach())
             self.log_losses({self.penalty: torch.stack(values).mean()}, batch_size=len(self._d_micro[0].real))
+
+    def observing(self, critic: Any) -> Any:
+        """``critic`` whose scores also feed ADA's r_t: stylegan2-ada's ``Dr1`` phase reports the signs of the reals'
+        logits it differentiates (``Loss/signs/real``) as its ``Dmain`` phase does, and its heuristic averages both."""
+
+        def scored(x: torch.Tensor) -> torch.Tensor:
+            scores = critic(x)
+            self.observe_real_scores(scores)
+            return scores
+
+        return scored
 
     def generator_steps_after(self, batch_idx: int) -> bool:
         """Whether G steps in training batch ``batch_idx``: after D's n_critic-th step of a group (``last``), after

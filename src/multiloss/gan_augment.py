@@ -10,8 +10,9 @@ resumed run and 2 ranks × b draw what the straight run and 1 rank × 2b draw.
 
 ADA (Karras et al. 2020; NVlabs/stylegan2-ada-pytorch ``training/training_loop.py`` 311-317): each sample is
 augmented with probability p; every ``ada_interval`` D steps, p += sign(r_t − target) · (images in the interval)
-/ (``ada_kimg`` · 1000), at least 0, where r_t = E[sign(D(x_real))] over the interval and the ranks: each D
-micro-batch's (Σ sign, count) is all-reduced as it is observed (two numbers, every rank at the same point), so
+/ (``ada_kimg`` · 1000), at least 0, where r_t = E[sign(D(x_real))] over the interval and the ranks (the lazy R1
+step's reals included, as stylegan2-ada's ``Dr1`` phase reports them): each D micro-batch's (Σ sign, count) is
+all-reduced as it is observed (two numbers, every rank at the same point), so
 every rank holds the global sums and a checkpoint, written by rank 0, holds them whole. p and the sums are
 buffers: checkpointed.
 """

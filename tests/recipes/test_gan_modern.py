@@ -30,7 +30,7 @@ from hydra.utils import instantiate
 
 from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
-from tests.conftest import BARE, SMALL_GAN, load_weights
+from tests.conftest import BARE, SMALL_GAN, load_checkpoint, load_weights
 from tests.helpers import straight_and_resumed
 from tests.recipes.test_gan_stylegan2_ada import stylegan_ema_update
 
@@ -425,6 +425,20 @@ ADA = (
     "trainer.max_epochs=3",
     "trainer.limit_train_batches=8",
 )
+
+
+def test_ada_r_t_counts_the_lazy_r1_steps_reals(make_cfg, tmp_path):
+    """r_t averages the signs of every real D scored in the interval, the lazy R1 step's too (stylegan2-ada's
+    ``Dr1`` phase reports ``Loss/signs/real`` as ``Dmain`` does): with p adjusted only at D step 0, the sums at
+    the end hold each later D step's 32 reals plus 32 for each of its lazy R1 steps (every 3rd)."""
+    from multiloss.saved_state import D_STEPS_KEY
+
+    options = [o for o in ADA if not o.startswith("+model.augment.ada_interval")]
+    train(make_cfg(*options, "+model.augment.ada_interval=1000", output_dir=tmp_path / "run"))
+    checkpoint = load_checkpoint(tmp_path / "run/checkpoints/last.ckpt")
+    d_steps, (signs, count) = checkpoint[D_STEPS_KEY], checkpoint["state_dict"]["augment.signs"].tolist()
+    assert d_steps == 24
+    assert count == sum(32 * (1 + (d % 3 == 0)) for d in range(1, d_steps)) and abs(signs) <= count
 
 
 def test_ada_resumes_exactly(make_cfg, tmp_path):
