@@ -1,6 +1,7 @@
 """Sharded training (FSDP2, ``trainer=fsdp_cpu``: 2 CPU processes, gloo) against DDP (``trainer=ddp_cpu``).
 
-Every recipe, and every balancer, ends with DDP's weights (same seed, data and steps; 1e-5);
+Every recipe, and every balancer, ends with DDP's weights (same seed, data and steps; 1e-5; the GAN with G_ema,
+lazy R1 and ADA to the bit, its EMA and ADA's p included);
 accumulation reduce-scatters once an optimizer step; a sharded run stopped at every kind of stop and resumed
 ends with the straight run's weights; the sharded ``last.ckpt`` (a directory, one shard a rank) is verified,
 evaluated, loaded and consolidated into one file; what FSDP2 cannot do is refused before a process starts.
@@ -112,6 +113,29 @@ RECIPES = {
         "data.batch_size=64",
         "trainer.max_steps=12",
     ),
+    # ADA on the digits: D sees augmented images (DiffAugment's three policies, draws from the checkpointed noise
+    # stream sharded like the data), p moved every 2 D steps by the ranks' summed signs (the lazy R1 step's too).
+    "gan-ada": (
+        "recipe=gan",
+        "data=digits",
+        "model.data_dim=64",
+        "model.latent_dim=8",
+        "model.loss=nonsaturating",
+        "model.penalty=r1",
+        "model.penalty_weight=0.1",
+        "model.penalty_every=2",
+        "model.n_critic=1",
+        "+model.g_ema.half_life_images=100",
+        "+model.augment.policy=[color,translation,cutout]",
+        "+model.augment.p=0.2",
+        "+model.augment.ada_target=0.6",
+        "+model.augment.ada_interval=2",
+        "+model.augment.ada_kimg=10",  # steps of 0.0128: p moves without reaching 0
+        *SMALL_GAN,
+        "model.n_plot_samples=0",
+        "data.batch_size=32",
+        "trainer.max_steps=16",
+    ),
     "tbptt": ("recipe=tbptt", "data=text", "data.level=chars", "data.layout=streams", "data.batch_size=4"),
 }
 TBPTT = ("data.seq_len=16", "model.chunk_length=8", "model.net.embedding_dim=8", "model.net.hidden_size=16")
@@ -158,6 +182,13 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
     worst = _worst(sharded, replicated)
     print(f"{case}: FSDP2 vs DDP, largest weight difference {worst:.2g}")  # for the record (pytest -s)
     assert worst <= 1e-5
+    if case in ("gan-modern", "gan-ada"):
+        # The same bits as DDP's (2 ranks: one sum a gradient, in either collective): G, D, G_ema and its image count;
+        # ADA's p and its sign sums.
+        assert worst == 0.0
+    if case == "gan-ada":
+        p = load_weights(last)["augment.p"]
+        assert p.item() != pytest.approx(0.2) and 0 < p.item() < 0.4, p
     if case == "weighted-dwa":
         # DWA's running sums (a dict of extra state: flattened key by key in a sharded checkpoint) continue
         # exactly from an epoch end: the epoch's mean is the ranks' summed sums over the count, so a resume from
