@@ -539,6 +539,50 @@ def test_metrics_need_digit_samples(make_cfg, tmp_path):
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
+def _inception_weights() -> str | None:
+    """Why torchmetrics' Inception cannot be built here (torch-fidelity missing, its weights not downloadable), or
+    None where it can."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    try:
+        FrechetInceptionDistance(feature=2048)
+    except (ModuleNotFoundError, RuntimeError, OSError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+INCEPTION_MISSING = _inception_weights()
+
+
+@pytest.mark.skipif(INCEPTION_MISSING is None, reason="Inception's weights are present: the other test runs")
+def test_inception_without_its_weights_is_one_message_naming_the_key(make_cfg, tmp_path):
+    """``feature=inception`` where torch-fidelity or its weights are missing: the key and why, before a file."""
+    overrides = ("recipe=gan", "data=digits", "model.data_dim=64", "+model.metrics.feature=inception")
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*overrides, "trainer.max_steps=1", output_dir=tmp_path / "r"))
+    assert err.value.key == "model.metrics.feature" and "torch-fidelity" in err.value.message
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(INCEPTION_MISSING is not None, reason=f"no Inception here ({INCEPTION_MISSING})")
+def test_inception_features_score_digits_where_its_weights_are():
+    """``feature=inception``: torchmetrics' own network on the digits made images; the reals against themselves
+    score FID ≈ 0, against noise far more."""
+    from sklearn.datasets import load_digits
+
+    from multiloss.gan_metrics import SampleQuality
+
+    reals = torch.from_numpy(load_digits().data[:200]).float() / 16
+    scores = {}
+    for name, fakes in (("self", reals), ("noise", torch.rand(200, 64))):
+        quality = SampleQuality((64,), feature="inception", kid_subset_size=50)
+        quality.update(reals, real=True)
+        quality.update(fakes, real=False)
+        scores[name] = {k: float(v) for k, v in quality.compute().items()}
+    assert abs(scores["self"]["fid"]) < 1.0 and scores["noise"]["fid"] > 10 * max(1.0, abs(scores["self"]["fid"]))
+    assert scores["noise"]["precision"] < scores["self"]["precision"] == 1.0
+
+
 # --- penalties under 16-mixed: AMP's gradient-penalty recipe --------------------------------------------------
 
 
