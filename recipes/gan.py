@@ -532,8 +532,8 @@ class GAN(Recipe):
                 self.generator_ema.count(len(real) * self.trainer.world_size)
         if d_step.stepping:
             self.lazy_penalty_step(opt_d)
-            self.adapt_augmentation(len(real))
             self.d_steps += 1
+            self.adapt_augmentation(len(real))
 
         # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
         # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
@@ -559,8 +559,9 @@ class GAN(Recipe):
                 self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
 
     def adapt_augmentation(self, batch_size: int) -> None:
-        """ADA: every ``ada_interval`` D steps (the 0th, then every interval, as stylegan2-ada's ``batch_idx %
-        ada_interval == 0``), p moves by the sign of r_t − target (the sums are every rank's already)."""
+        """ADA: after every ``ada_interval``-th D step (the interval's last: stylegan2-ada's ``batch_idx += 1`` comes
+        before its ``batch_idx % ada_interval == 0``), p moves by the sign of r_t − target (the sums are every rank's
+        already)."""
         augment = self.augment
         if augment is None or not augment.adaptive or self.d_steps % augment.ada_interval:
             return

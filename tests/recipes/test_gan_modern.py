@@ -429,8 +429,8 @@ ADA = (
 
 def test_ada_r_t_counts_the_lazy_r1_steps_reals(make_cfg, tmp_path):
     """r_t averages the signs of every real D scored in the interval, the lazy R1 step's too (stylegan2-ada's
-    ``Dr1`` phase reports ``Loss/signs/real`` as ``Dmain`` does): with p adjusted only at D step 0, the sums at
-    the end hold each later D step's 32 reals plus 32 for each of its lazy R1 steps (every 3rd)."""
+    ``Dr1`` phase reports ``Loss/signs/real`` as ``Dmain`` does): with an interval longer than the run, the sums
+    at the end hold each D step's 32 reals plus 32 for each of its lazy R1 steps (every 3rd, from the 0th)."""
     from multiloss.saved_state import D_STEPS_KEY
 
     options = [o for o in ADA if not o.startswith("+model.augment.ada_interval")]
@@ -438,7 +438,7 @@ def test_ada_r_t_counts_the_lazy_r1_steps_reals(make_cfg, tmp_path):
     checkpoint = load_checkpoint(tmp_path / "run/checkpoints/last.ckpt")
     d_steps, (signs, count) = checkpoint[D_STEPS_KEY], checkpoint["state_dict"]["augment.signs"].tolist()
     assert d_steps == 24
-    assert count == sum(32 * (1 + (d % 3 == 0)) for d in range(1, d_steps)) and abs(signs) <= count
+    assert count == sum(32 * (1 + (d % 3 == 0)) for d in range(d_steps)) and abs(signs) <= count
 
 
 def test_ada_resumes_exactly(make_cfg, tmp_path):
