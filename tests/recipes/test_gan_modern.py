@@ -676,3 +676,22 @@ def test_a_sigterm_mid_epoch_and_its_resume_equal_the_straight_run(make_cfg, tmp
     train(make_cfg(*common, "ckpt_path=last", output_dir=run))
     expected, got = (load_weights(r / "checkpoints/last.ckpt") for r in (straight, run))
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_the_gaussians25_experiment_is_the_measured_configuration(tmp_path):
+    """``experiment=gaussians25`` composes to the line the README and docs/recipes.md measured (all 25 modes, ≥ 90 %
+    within 3σ in 5 of 5 seeds): the same model and trainer nodes."""
+    measured = (
+        "recipe=gan",
+        "data=gaussians25",
+        "trainer.max_epochs=60",
+        "model.loss=nonsaturating",
+        "model.penalty=r1",
+        "model.penalty_weight=0.1",
+        "model.n_critic=1",
+        "+model.g_ema.half_life_images=20000",
+    )
+    line = testing.compose(*measured, output_dir=tmp_path)
+    experiment = testing.compose("experiment=gaussians25", output_dir=tmp_path)
+    assert experiment.model == line.model and experiment.trainer == line.trainer and experiment.data == line.data
+    assert experiment.model.g_ema == {"half_life_images": 20000} and experiment.trainer.max_epochs == 60
