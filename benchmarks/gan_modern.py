@@ -4,7 +4,8 @@
     python benchmarks/gan_modern.py --part gaussians --seeds 0 1 --jobs 2
 
 ``gaussians``: ``data=gaussians25`` under a few configurations (the default WGAN-GP; the non-saturating loss
-with R1 every step or lazily, and G_ema; hinge with R1 and G_ema), 60 epochs each: modes hit (of 25) and the share of samples within 3σ of a mode, scored on G_ema where it is on, mean ± std over the seeds.
+with R1 every step or lazily, and G_ema; hinge with R1 and G_ema), 60 epochs each: modes hit (of 25) and the
+share of samples within 3σ of a mode, scored on G_ema where it is on, mean ± std over the seeds.
 ``stacked``: ``data=stacked_digits`` (1,000 modes) with G_ema: the digits-classifier FID, KID and mode count of
 G and of G_ema on the validation set, per seed, and in how many seeds G_ema's FID is the lower. A benchmark,
 not a test: the numbers depend on the machine and the seeds; CPU time ~1 min a stacked run, ~3.5 min a
