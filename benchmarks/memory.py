@@ -166,7 +166,7 @@ class _Saved:
 
 def run_recipe_case(device: str, overrides: list[str]) -> dict[str, float]:
     """``multiloss.train`` on ``overrides``; the peak above the memory held at the first batch's start."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+    sys.path.insert(0, str(ROOT))  # multiloss as installed (see speed.py)
     import lightning as L
     import torch
 
@@ -210,7 +210,7 @@ def run_recipe_case(device: str, overrides: list[str]) -> dict[str, float]:
 
 def run_validation_case(device: str, length: int, whole: bool) -> dict[str, float]:
     """Validation of ``VAL_STREAMS`` streams of ``length`` tokens: the recipe's, or one forward per whole stream."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+    sys.path.insert(0, str(ROOT))  # multiloss as installed (see speed.py)
     import lightning as L
     import numpy as np
     import torch
@@ -268,7 +268,6 @@ def run_validation_case(device: str, length: int, whole: bool) -> dict[str, floa
 
 def run_heads_case(device: str, heads: int, summed: bool, repeats: int = 5) -> dict[str, float]:
     """One training step's backward of ``heads`` heads: summed once, or one retain_graph backward each."""
-    sys.path[:0] = [str(ROOT / "src")]
     import torch
     import torch.nn.functional as F
     from torch import nn

@@ -64,7 +64,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+# The checkout's root (the tests' plain references); multiloss itself as installed (`make train`): its
+# `multiloss.configs` exists only installed, and `src` first would shadow a wheel installed without `-e`.
+sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
