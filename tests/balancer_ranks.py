@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multiloss.balancers.build import build_balancer
+from multiloss.lightning_internals import destroy_process_group
 from multiloss.testing import balancer_backward
 from tests.test_balancer_parity import BASE, TASKS, Net, _data, _losses
 
@@ -113,7 +114,10 @@ def main() -> None:
     if rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    # Both ranks done with the group (rank 0 wrote the file), then the teardown the CLI does (the FSDP2 nets'
+    # cycles freed first): a CI run once saw rank 1 abort at its exit while rank 0 was still writing.
+    dist.barrier()
+    destroy_process_group()
 
 
 def _largest(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
