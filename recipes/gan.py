@@ -72,6 +72,8 @@ from multiloss.gan_objectives import (
     discriminator_terms,
     lazy_ratio,
     penalty,
+    scores_gradient,
+    squared_norm_penalty,
 )
 from multiloss.gan_objectives import generator_loss as generator_loss_of
 from multiloss.generator_ema import GeneratorEMA
@@ -153,7 +155,8 @@ class GAN(Recipe):
 
     Penalties (``penalty``, weight ``penalty_weight``; `multiloss.gan_objectives.penalty`): ``gp``, λ·E[(‖∇D(x̂)‖ −
     1)²] at random interpolates x̂ (WGAN-GP); ``r1``, γ/2·E[‖∇D(x)‖²] on the data; ``r2``, the same on the generated
-    samples; ``none``. ``penalty_every`` = 1 adds it to every D step's loss; N > 1 is stylegan2-ada's lazy
+    samples; ``none``. ``penalty_every`` = 1 adds it to every D step's loss (R1/R2 from the scores the loss is built
+    from: stylegan2-ada's ``Dboth``); N > 1 is stylegan2-ada's lazy
     regularization: after every N-th D step one more D step of the penalty alone at N times its weight, on that
     D step's samples, with D's optimizer corrected once at the start as stylegan2-ada does (lr × N/(N+1), each beta
     to the power N/(N+1)). Under ``16-mixed`` the input gradient is taken on the GradScaler's scaled scores and
@@ -422,6 +425,11 @@ class GAN(Recipe):
         rows = torch.randn(n * world, width, generator=self._noise_generator(), device=self.device)
         return rows[self.global_rank :: world]
 
+    @property
+    def adaptive_augmentation(self) -> bool:
+        """ADA is on: an augmentation whose p moves with r_t (``ada_target`` set)."""
+        return self.augment is not None and self.augment.adaptive
+
     def seen_by(self, critic: Any) -> Any:
         """``critic`` as D sees samples in training: through the augmentation when it is on (its random numbers,
         uniforms from the noise stream, drawn per call for the global batch and sharded like the noise)."""
@@ -451,19 +459,34 @@ class GAN(Recipe):
     ) -> dict[str, torch.Tensor]:
         """D's loss ``d`` and its terms (`multiloss.gan_objectives.discriminator_terms`); pass detached fakes. The
         penalty is a term (``gp``, ``r1`` or ``r2``, times ``penalty_weight``) when it is on, ``with_penalty`` and
-        taken every step (``penalty_every`` = 1; the lazy one has its own step: `lazy_penalty_step`)."""
+        taken every step (``penalty_every`` = 1; the lazy one has its own step: `lazy_penalty_step`).
+
+        R1 and R2 taken every step differentiate the very scores the loss is built from (stylegan2-ada's ``Dboth``
+        phase, R3GAN's step): one D forward of the reals and one of the fakes, so with augmentation on the penalty
+        is taken at the augmentation D's loss saw, not at another draw. (GP scores its own interpolates.)
+        """
         # Through D's own DDP wrapper (when there is one): this backward's D gradients are averaged
         # across ranks, and it reaches no other parameters.
         critic = synced(self, "discriminator")
         if with_penalty:  # training: D sees augmented samples (validation scores the plain ones)
             critic = self.seen_by(critic)
+        every_step = with_penalty and self.penalty != "none" and self.penalty_every == 1
+        if every_step and self.penalty == "r1":
+            real = real.detach().requires_grad_(True)
+        if every_step and self.penalty == "r2":
+            fake = fake.detach().requires_grad_(True)
         d_real = critic(real)
-        if with_penalty and self.augment is not None and self.augment.adaptive:
+        if with_penalty and self.adaptive_augmentation:
             self.observe_real_scores(d_real)
-        losses = discriminator_terms(self.loss, d_real, critic(fake))
+        d_fake = critic(fake)
+        losses = discriminator_terms(self.loss, d_real, d_fake)
         total = sum(losses.values())
-        if with_penalty and self.penalty != "none" and self.penalty_every == 1:
-            losses[self.penalty] = self.penalty_value(critic, real, fake, eps)
+        if every_step:
+            if self.penalty == "gp":
+                losses["gp"] = self.penalty_value(critic, real, fake, eps)
+            else:
+                scores, x = (d_real, real) if self.penalty == "r1" else (d_fake, fake)
+                losses[self.penalty] = squared_norm_penalty(scores_gradient(scores, x, self.scaler()), scores)
             total = total + self.penalty_weight * losses[self.penalty]
         return {**losses, "d": total}
 
@@ -479,8 +502,11 @@ class GAN(Recipe):
         self, critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None
     ) -> torch.Tensor:
         """The penalty before its weight (`multiloss.gan_objectives.penalty`), under 16-mixed by AMP's recipe."""
-        scaler = grad_scaler(self.trainer.precision_plugin) if self.attached_trainer is not None else None
-        return penalty(self.penalty, critic, real, fake, eps, scaler)
+        return penalty(self.penalty, critic, real, fake, eps, self.scaler())
+
+    def scaler(self) -> Any:
+        """The GradScaler under ``16-mixed`` (the penalty's input gradient is taken on scaled scores), else None."""
+        return grad_scaler(self.trainer.precision_plugin) if self.attached_trainer is not None else None
 
     def generator_loss(self, fake: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """G's loss through D (`multiloss.gan_objectives.generator_loss`); ``real``: the samples the relativistic loss
@@ -519,11 +545,10 @@ class GAN(Recipe):
             fake = (kept if kept is not None else self.generator(z)).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
             if self.loss == "bce":  # dcgan/main.py's two backward calls, real then fake (gradients summed in .grad)
-                d_step.backward(d_losses["d_real"], sync=False)  # the second one syncs the sum
-                second = d_losses["d_fake"]
-                if self.penalty in d_losses:
-                    second = second + self.penalty_weight * d_losses[self.penalty]
-                d_step.backward(second)
+                term = self.penalty_weight * d_losses[self.penalty] if self.penalty in d_losses else 0
+                on_reals = self.penalty == "r1"  # R1 shares the reals' forward, whose graph the first backward frees
+                d_step.backward(d_losses["d_real"] + (term if on_reals else 0), sync=False)  # the second syncs the sum
+                d_step.backward(d_losses["d_fake"] + (0 if on_reals else term))
             else:
                 d_step.backward(d_losses["d"])
             self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
@@ -562,9 +587,9 @@ class GAN(Recipe):
         """ADA: after every ``ada_interval``-th D step (the interval's last: stylegan2-ada's ``batch_idx += 1`` comes
         before its ``batch_idx % ada_interval == 0``), p moves by the sign of r_t − target (the sums are every rank's
         already)."""
-        augment = self.augment
-        if augment is None or not augment.adaptive or self.d_steps % augment.ada_interval:
+        if not self.adaptive_augmentation or self.d_steps % self.augment.ada_interval:
             return
+        augment = self.augment
         augment.adjust(batch_size * self.trainer.world_size * self.accumulate_grad_batches * augment.ada_interval)
         self.log("augment/p", augment.p.float(), rank_zero_only=True)
 
@@ -580,7 +605,7 @@ class GAN(Recipe):
             for micro in reg.micro_batches(len(self._d_micro)):
                 kept = self._d_micro[micro]
                 critic = self.seen_by(synced(self, "discriminator"))
-                if self.penalty == "r1" and self.augment is not None and self.augment.adaptive:
+                if self.penalty == "r1" and self.adaptive_augmentation:
                     critic = self.observing(critic)
                 value = self.penalty_value(critic, kept.real, kept.fake, kept.eps)
                 # Divided by the micro-batches taken (an epoch's last D step may have fewer than k).

@@ -108,14 +108,25 @@ def input_gradient(
     """
     x = x.detach().requires_grad_(True)
     scores = critic(x)
+    return scores_gradient(scores, x, scaler), scores
+
+
+def scores_gradient(scores: torch.Tensor, x: torch.Tensor, scaler: Any = None) -> torch.Tensor:
+    """∇ₓ Σ ``scores`` for scores already computed from ``x`` (a leaf that requires grad), graph kept; ``scaler`` as
+    in `input_gradient`."""
     if scaler is None:
         (grad,) = torch.autograd.grad(scores.sum(), x, create_graph=True)
-        return grad, scores
+        return grad
     # The scaled *mean* (a loss, as the recipe scales one): each score's gradient is scale / n, not the scale itself,
     # which float16 cannot hold at GradScaler's starting 2**16.
     n = scores.numel()
     (grad,) = torch.autograd.grad(scaler.scale(scores.sum() / n), x, create_graph=True)
-    return grad * (n / scaler.get_scale()), scores
+    return grad * (n / scaler.get_scale())
+
+
+def squared_norm_penalty(grad: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """R1's and R2's value from ∇ₓD and the scores it came from: ½·E[‖∇ₓD‖²] + 0·ΣD (see `penalty`)."""
+    return 0.5 * grad.flatten(1).square().sum(dim=1).mean() + 0 * scores.sum()
 
 
 def penalty(
@@ -142,11 +153,9 @@ def penalty(
         e = eps.view(-1, *[1] * (real.dim() - 1))  # one ε per sample, whatever the sample's shape
         x_hat = e * real + (1 - e) * fake
         grad, scores = input_gradient(critic, x_hat, scaler)
-        value = ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
-    else:
-        grad, scores = input_gradient(critic, real if kind == "r1" else fake, scaler)
-        value = 0.5 * grad.flatten(1).square().sum(dim=1).mean()
-    return value + 0 * scores.sum()
+        return ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean() + 0 * scores.sum()
+    grad, scores = input_gradient(critic, real if kind == "r1" else fake, scaler)
+    return squared_norm_penalty(grad, scores)
 
 
 def lazy_ratio(every: int) -> float:

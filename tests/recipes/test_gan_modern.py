@@ -441,6 +441,35 @@ def test_ada_r_t_counts_the_lazy_r1_steps_reals(make_cfg, tmp_path):
     assert count == sum(32 * (1 + (d % 3 == 0)) for d in range(d_steps)) and abs(signs) <= count
 
 
+@pytest.mark.parametrize("kind", ["r1", "r2"])
+def test_a_penalty_every_step_differentiates_the_scores_the_loss_saw(make_cfg, kind):
+    """R1 (R2) every step, D's inputs augmented: D scores the reals and the fakes once each (stylegan2-ada's
+    ``Dboth`` phase, R3GAN's step), and the penalty is ½·E‖∇ₓD(aug(x))‖² at the very augmentation draw its loss
+    terms scored — the noise stream moves by the two batches' draws, not by a third for the penalty."""
+    cfg = make_cfg(
+        *(o for o in ADA if "penalty" not in o and "augment" not in o),
+        f"model.penalty={kind}",
+        "model.penalty_weight=0.1",
+        "+model.augment.policy=[color,translation,cutout]",
+    )
+    _, model = testing.build(cfg)
+    model.augment.set_sample_shape((64,))
+    real, fake = torch.rand(16, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1, torch.randn(16, 64)
+    stream = torch.Generator().set_state(model._noise_generator().get_state())
+    losses = model.discriminator_losses(real, fake)
+
+    u_real, u_fake = (torch.special.ndtr(torch.randn(16, model.augment.draws, generator=stream)) for _ in "rf")
+    assert torch.equal(stream.get_state(), model._noise_generator().get_state())
+    x = (real if kind == "r1" else fake).clone().requires_grad_(True)
+    d_real = model.discriminator(model.augment(x if kind == "r1" else real, u_real))
+    d_fake = model.discriminator(model.augment(x if kind == "r2" else fake, u_fake))
+    (grad,) = torch.autograd.grad((d_real if kind == "r1" else d_fake).sum(), x)
+    expected = 0.5 * grad.square().sum(dim=1).mean()
+    torch.testing.assert_close(losses[kind], expected, rtol=1e-6, atol=0)
+    terms = F.softplus(-d_real).mean() + F.softplus(d_fake).mean()
+    torch.testing.assert_close(losses["d"], terms + 0.1 * expected, rtol=1e-6, atol=0)
+
+
 def test_ada_resumes_exactly(make_cfg, tmp_path):
     """Augmented D (lazy R1 through the augmentation), adaptive p: stopped mid-epoch and resumed == straight (0.0:
     weights, p and the running sign sums); p did move."""
