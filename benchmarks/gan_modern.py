@@ -86,10 +86,10 @@ def gaussians_run(name: str, seed: int, threads: int) -> tuple[float, float]:
     return float(metrics["val/modes"]), float(metrics["val/high_quality"])
 
 
-def gaussians(seeds: list[int], jobs: int, threads: int) -> None:
+def gaussians(seeds: list[int], jobs: int, threads: int, names: list[str]) -> None:
     # Runs in their own processes (spawned: no state shared), `jobs` at a time; each run is seeded as it is alone.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: [pool.submit(gaussians_run, name, seed, threads) for seed in seeds] for name in GAUSSIANS}
+        futures = {name: [pool.submit(gaussians_run, name, seed, threads) for seed in seeds] for name in names}
         rows = [(name, [f.result() for f in runs]) for name, runs in futures.items()]
     epochs = next(o for o in GAUSSIANS_COMMON if o.startswith("trainer.max_epochs=")).split("=")[1]
     print(f"\ndata=gaussians25, {epochs} epochs, seeds {seeds} (G_ema's samples where it is on): mean ± std")
@@ -150,12 +150,13 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--threads", type=int, default=1, help="torch threads a run")
     parser.add_argument("--jobs", type=int, default=1, help="gaussians: runs at a time, each in its own process")
+    parser.add_argument("--only", nargs="+", choices=list(GAUSSIANS), default=list(GAUSSIANS), help="gaussians: these")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.part in ("stacked", "both"):
         stacked(args.seeds)
     if args.part in ("gaussians", "both"):
-        gaussians(args.seeds, args.jobs, args.threads)
+        gaussians(args.seeds, args.jobs, args.threads, args.only)
 
 
 if __name__ == "__main__":
