@@ -72,7 +72,6 @@ from multiloss.gan_objectives import (
     discriminator_terms,
     lazy_ratio,
     penalty,
-    scores_gradient,
     squared_norm_penalty,
 )
 from multiloss.gan_objectives import generator_loss as generator_loss_of
@@ -486,7 +485,7 @@ class GAN(Recipe):
                 losses["gp"] = self.penalty_value(critic, real, fake, eps)
             else:
                 scores, x = (d_real, real) if self.penalty == "r1" else (d_fake, fake)
-                losses[self.penalty] = squared_norm_penalty(scores_gradient(scores, x, self.scaler()), scores)
+                losses[self.penalty] = squared_norm_penalty(scores, x, self.scaler())
             total = total + self.penalty_weight * losses[self.penalty]
         return {**losses, "d": total}
 

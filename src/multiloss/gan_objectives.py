@@ -124,8 +124,10 @@ def scores_gradient(scores: torch.Tensor, x: torch.Tensor, scaler: Any = None) -
     return grad * (n / scaler.get_scale())
 
 
-def squared_norm_penalty(grad: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """R1's and R2's value from ∇ₓD and the scores it came from: ½·E[‖∇ₓD‖²] + 0·ΣD (see `penalty`)."""
+def squared_norm_penalty(scores: torch.Tensor, x: torch.Tensor, scaler: Any = None) -> torch.Tensor:
+    """R1's and R2's value from scores already computed from ``x`` (a leaf that requires grad): ½·E[‖∇ₓD‖²] + 0·ΣD
+    (see `penalty`)."""
+    grad = scores_gradient(scores, x, scaler)
     return 0.5 * grad.flatten(1).square().sum(dim=1).mean() + 0 * scores.sum()
 
 
@@ -154,8 +156,8 @@ def penalty(
         x_hat = e * real + (1 - e) * fake
         grad, scores = input_gradient(critic, x_hat, scaler)
         return ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean() + 0 * scores.sum()
-    grad, scores = input_gradient(critic, real if kind == "r1" else fake, scaler)
-    return squared_norm_penalty(grad, scores)
+    x = (real if kind == "r1" else fake).detach().requires_grad_(True)
+    return squared_norm_penalty(critic(x), x, scaler)
 
 
 def lazy_ratio(every: int) -> float:

@@ -143,9 +143,10 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def destroy_process_group() -> None:
     """End this process's default process group, if it has one (``_destroy_dist_connection``).
 
-    A garbage collection first: FSDP2's states and DDP's reducers hold the group in reference cycles, and a gloo
-    group whose last reference goes only at the interpreter's exit joins worker threads that still hold tensors
+    A garbage collection on each side: FSDP2's states and DDP's reducers hold the group in reference cycles, and a
+    gloo group whose last reference goes only at the interpreter's exit joins worker threads that still hold tensors
     (torch's own abandoned fix, pytorch/pytorch#179291): ``terminate called without an active exception``, SIGABRT.
+    The first frees the cycles before the group is ended, the second what held the group besides its registry.
     """
     import gc
 
