@@ -148,3 +148,35 @@ def test_no_two_modules_import_each_other():
         if a < b and a in imports.get(b, set()) and not (a.startswith(b + ".") or b.startswith(a + "."))
     )
     assert not mutual, mutual
+
+
+def test_the_install_is_what_the_suite_passed_with():
+    """pyproject's ranges exclude the compromised Lightning releases, and this environment (what `make` installs) holds
+    every package at the version constraints.txt pins: the versions this suite passes with."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    compromised = ("2.6.2", "2.6.3")  # GHSA-w37p-236h-pfx3: a payload run at `import lightning`
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = {canonicalize_name(r.name): r for r in map(Requirement, project["dependencies"])}
+    for name in ("lightning", "pytorch-lightning"):
+        assert not any(requirements[name].specifier.contains(v) for v in compromised), requirements[name]
+        assert requirements[name].specifier.contains("2.6.6"), requirements[name]
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version.strip()
+    assert "torch" not in pins and "multiloss" not in pins  # torch's build is the user's TORCH_SPEC
+    for name in ("lightning", "pytorch-lightning"):
+        assert pins[name] not in compromised, (name, pins[name])
+    assert {"lightning", "hydra-core", "torchmetrics", "pip"} <= pins.keys()
+    if not (Path(sys.prefix) / ".multiloss-installed").exists():
+        pytest.skip(f"{sys.prefix} is not the environment `make` builds with constraints.txt")
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    differ = {name: (pin, installed.get(name)) for name, pin in pins.items() if installed.get(name) != pin}
+    assert not differ, f"pinned vs installed: {differ}"
