@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning as L
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -22,13 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 from multiloss import lightning_internals as internals
 from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
+from multiloss.config.errors import error_from_lightning
+from multiloss.config.parallel import check_sharded_run
 from multiloss.module import Recipe
-from multiloss.parallelism import check_sharded_run, strategy_of
+from multiloss.parallelism import strategy_of
 
 
 def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
     """The Trainer of ``cfg.trainer`` with its loggers and every callback of a run (`run_callbacks`)."""
-    check_sharded_run(cfg.trainer)  # a precision the CPU cannot shard in, before Lightning's own refusal
+    # A precision the CPU cannot shard in, before Lightning's own refusal.
+    check_sharded_run(cfg.trainer, cuda_available=torch.cuda.is_available())
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
@@ -134,16 +138,3 @@ def _config_errors(path: str, node: DictConfig) -> Iterator[None]:
         if isinstance(cause, MisconfigurationException) or (path == "trainer" and isinstance(cause, ValueError)):
             raise error_from_lightning(path, node, cause) from None
         raise
-
-
-def error_from_lightning(path: str, node: DictConfig, err: Exception) -> ConfigError:
-    """Lightning's own check failed: name the key its message is about, and pass its words on."""
-    text = str(err)
-    keys = [str(k) for k in node if not str(k).startswith("_") and str(k) in text]
-    key = min(keys, key=lambda k: (text.find(k), -len(k))) if keys else None  # the first named, most specific
-    return ConfigError(
-        f"{path}.{key}" if key else path,
-        node[key] if key else OmegaConf.to_container(node),
-        text,
-        "rejected by Lightning",
-    )

@@ -23,7 +23,7 @@ CONFIGS = "pkg://multiloss.configs"
 def train_main() -> None:
     """``multiloss-train [overrides]``: what ``python train.py`` does."""
     _refuse_a_file_as_run_dir(sys.argv[1:])
-    _hydra_main("train", train_task)()
+    _run_hydra("train", train_task)
 
 
 def _refuse_a_file_as_run_dir(args: list[str]) -> None:
@@ -46,7 +46,7 @@ def eval_main() -> None:
     from multiloss.evaluation import with_training_overrides
 
     sys.argv = [sys.argv[0], *with_training_overrides(sys.argv[1:])]
-    _hydra_main("eval", eval_task)()
+    _run_hydra("eval", eval_task)
 
 
 def consolidate_main(argv: list[str] | None = None) -> None:
@@ -69,11 +69,37 @@ def consolidate_main(argv: list[str] | None = None) -> None:
     print(f"multiloss: wrote {written} (loads with torch.load(weights_only=True) or Recipe.load_from_checkpoint)")
 
 
+def _run_hydra(config_name: str, task: Callable[[DictConfig], object]) -> None:
+    """Hydra's main with ``task``; a mistake Hydra finds while composing (an option or a key that does not exist, a
+    value it cannot parse) is one message naming the key, exit 2, as every other config error."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from multiloss.config.composition import explained, hydra_errors_raised
+
+    try:
+        with hydra_errors_raised():
+            _hydra_main(config_name, task)()
+    except (HydraException, OmegaConfBaseException) as err:
+        error = explained(err, sys.argv[1:], config_name)
+        if error is None:
+            _fail("config error", " ".join(str(err).split()), 2)
+        _fail("config error", error.message, 2)
+
+
 def _hydra_main(config_name: str, task: Callable[[DictConfig], object]) -> Callable[[], object]:
     import hydra
 
+    from multiloss.config.composition import restore_full_error
+
+    def job(cfg: DictConfig) -> object:
+        restore_full_error()  # composed: from here on Hydra reports as the user set it (the ranks inherit it)
+        return task(cfg)
+
+    job.__name__ = job.__qualname__ = task.__name__  # Hydra names the job (and its log file) after the task's module
+    job.__module__ = task.__module__
     _register_slurm_launcher()
-    return hydra.main(version_base="1.3", config_path=CONFIGS, config_name=config_name)(task)
+    return hydra.main(version_base="1.3", config_path=CONFIGS, config_name=config_name)(job)
 
 
 def _register_slurm_launcher() -> None:
@@ -94,11 +120,29 @@ def _register_slurm_launcher() -> None:
 
 
 def train_task(cfg: DictConfig) -> dict[str, float] | float:
-    """One Hydra job of ``multiloss-train``: the final metrics, or ``optimized_metric``'s value for a sweeper."""
+    """One Hydra job of ``multiloss-train``: the final metrics, or ``optimized_metric``'s value for a sweeper.
+
+    The config is checked before torch and Lightning are imported (`multiloss.config.early`): a mistake is named in
+    a second, with the message the run would give after the imports.
+    """
+    check_before_imports(cfg)
     from multiloss.training import train
 
     metrics = run(train, cfg)
     return optimized_value(metrics, cfg.get("optimized_metric"))
+
+
+def check_before_imports(cfg: DictConfig) -> None:
+    """`multiloss.config.early.check_early`, a mistake reported as `run` reports one (exit 2, nothing left behind)."""
+    from multiloss.config import ConfigError
+    from multiloss.config.early import check_early
+
+    try:
+        check_early(cfg)
+    except ConfigError as err:
+        if not os.environ.get("SUBMITIT_EXECUTOR"):
+            _remove_if_empty(cfg)
+        _fail("config error", err.message, 2)
 
 
 def eval_task(cfg: DictConfig) -> dict[str, float]:

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
+from multiloss.config.errors import optimizer_rejection
 
 OptimizerFactory = Callable[..., Optimizer]
 
@@ -139,20 +140,8 @@ def build_optimizer_factory(spec: Any, key: str) -> OptimizerFactory | None:
     try:
         factory([torch.nn.Parameter(torch.zeros(1))])
     except (ValueError, TypeError) as err:
-        text = str(err)
-        named = [k for k in spec if not k.startswith("_") and (k in text or _ALIASES.get(k, "\0") in text)]
-        arg = named[0] if named else None
-        raise ConfigError(
-            f"{key}.{arg}" if arg else key,
-            spec.get(arg) if arg else spec["_target_"],
-            f"a value {spec['_target_']} accepts ({text})",
-            "rejected by the optimizer",
-        ) from None
+        raise optimizer_rejection(key, spec, str(err)) from None
     return factory
-
-
-# How torch's optimizers name their arguments in their error messages.
-_ALIASES = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
 
 
 def name_of(component: Any) -> str:

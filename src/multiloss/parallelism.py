@@ -17,12 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import lightning as L
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from multiloss import lightning_internals as internals
 from multiloss import sharding
-from multiloss.config import ConfigError
 
 NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
 _ATTRIBUTE = "_multiloss_parallelism"  # where a strategy keeps the one Parallelism chosen for it
@@ -115,24 +113,3 @@ def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
     if isinstance(trainer.strategy, HydraJobStrategy):
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
     return trainer
-
-
-def check_sharded_run(trainer_cfg: Any) -> None:
-    """Refuse, before Lightning builds the Trainer, a sharded run's precision the CPU cannot train in: gloo has no
-    bf16 collectives for FSDP2's reduce-scatter, and Lightning's ModelParallelStrategy refuses 16-mixed (its own
-    message then suggests bf16, which the CPU cannot do either). Nothing for another strategy."""
-    strategy = trainer_cfg.get("strategy")
-    target = strategy.get("_target_", "") if hasattr(strategy, "get") else ""
-    if not (target == "multiloss.fsdp.FSDPStrategy" or target.endswith("ModelParallelStrategy")):
-        return
-    accelerator = str(trainer_cfg.get("accelerator", "auto"))
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    precision = str(trainer_cfg.get("precision", "32-true"))
-    if on_cpu and precision not in ("32-true", "32", "64-true", "64"):
-        raise ConfigError(
-            "trainer.precision",
-            precision,
-            "32-true with trainer=fsdp_cpu (on GPUs, trainer=fsdp takes bf16-mixed)",
-            "gloo, the CPU's backend, has no bf16 collectives for FSDP2's reduce-scatter, and Lightning's "
-            "ModelParallelStrategy does not support 16-mixed",
-        )

@@ -8,10 +8,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from multiloss.builders import build_data_and_model, build_trainer, error_from_lightning
+from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.callbacks.run_record import RunRecord
 from multiloss.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
+from multiloss.config.errors import error_from_lightning
 from multiloss.module import Recipe
 from multiloss.parallelism import parallelism_of
 from multiloss.pitfalls import explain

@@ -44,3 +44,34 @@ def require_options(spec: Any, key: str, keys: tuple[str, ...]) -> None:
     unknown = sorted(set(spec) - set(keys))
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}", spec[unknown[0]], f"{key}'s keys: {', '.join(keys)}", "unknown key")
+
+
+def error_from_lightning(path: str, node: Any, err: Exception | str) -> ConfigError:
+    """Lightning's own check failed: name the key its message is about, and pass its words on."""
+    from omegaconf import OmegaConf
+
+    text = str(err)
+    keys = [str(k) for k in node if not str(k).startswith("_") and str(k) in text]
+    key = min(keys, key=lambda k: (text.find(k), -len(k))) if keys else None  # the first named, most specific
+    return ConfigError(
+        f"{path}.{key}" if key else path,
+        node[key] if key else OmegaConf.to_container(node),
+        text,
+        "rejected by Lightning",
+    )
+
+
+# How torch's optimizers name their arguments in their error messages.
+_OPTIMIZER_ALIASES = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
+
+
+def optimizer_rejection(key: str, spec: Any, text: str) -> ConfigError:
+    """The optimizer configured at ``key`` refused a value (torch's own check, ``text``): the argument it names."""
+    named = [k for k in spec if not k.startswith("_") and (k in text or _OPTIMIZER_ALIASES.get(k, "\0") in text)]
+    arg = named[0] if named else None
+    return ConfigError(
+        f"{key}.{arg}" if arg else key,
+        spec.get(arg) if arg else spec["_target_"],
+        f"a value {spec['_target_']} accepts ({text})",
+        "rejected by the optimizer",
+    )
