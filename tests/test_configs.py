@@ -69,9 +69,33 @@ HAS_OPTUNA_SWEEPER = find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
 
 
 def instantiate_all(cfg) -> None:
-    check_config(cfg)
-    testing.build(cfg)
-    build_trainer(cfg)
+    """The run's checks (the config, then every component built), after the early check before the imports: that one
+    passes too, or names the very error the run raises (`multiloss.config.early`)."""
+    early = _early_verdict(cfg)
+    try:
+        check_config(cfg)
+        testing.build(cfg)
+        build_trainer(cfg)
+    except ConfigError as err:
+        assert early in (None, err.message), f"early: {early}\nrun:   {err.message}"
+        raise
+    assert early is None, f"the early check rejects what the run accepts: {early}"
+
+
+def _early_verdict(cfg) -> str | None:
+    import copy
+
+    from multiloss.config import argument_checks
+    from multiloss.config.early import check_early
+
+    argument_checks.STRICT = True  # a construct the reader gets wrong fails here instead of being skipped
+    try:
+        check_early(copy.deepcopy(cfg))
+    except ConfigError as err:
+        return err.message
+    finally:
+        argument_checks.STRICT = False
+    return None
 
 
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
@@ -93,8 +117,9 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
     recipe = [f"recipe={RECIPE_OF[rel]}"] if rel in RECIPE_OF else []
     cfg = make_cfg(*recipe, _override(path), *extra.get(rel, []), quiet=False)
     if rel in NEEDS_GPU:
-        with pytest.raises(ConfigError, match=r"trainer\.accelerator"):
+        with pytest.raises(ConfigError, match=r"trainer\.accelerator") as refused:
             check_config(cfg)
+        assert _early_verdict(cfg) in (None, refused.value.message)
         return
     if rel in NEEDS_PACKAGE:
         with pytest.raises(ConfigError, match=NEEDS_PACKAGE[rel]):  # the key, and the package it lacks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
@@ -35,15 +36,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # the same instant is refused and touches nothing (whether the dir holds another run's checkpoints is judged
     # when training starts, by every rank: RunRecord, after the checks that name a mistake in the config).
     with claimed(cfg.paths.output_dir, claim=launch_rank_zero()):
-        return _train(cfg)
+        return _fit(cfg, *prepare(cfg))
 
 
-def _train(cfg: DictConfig) -> dict[str, float]:
+def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
+    """The data module, the recipe and the Trainer of a checked config, and every check `train` makes of them before
+    ``fit`` (the streams against the ranks, what sharding refuses, the checkpoint to resume)."""
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train")
     if (streams := getattr(datamodule, "streams", None)) is not None:
         streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
-    record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
     if isinstance(model, Recipe) and parallelism_of(trainer).sharded:
         model.check_sharding(trainer)  # what FSDP2 cannot do, before its processes start
     elif isinstance(model, Recipe) and (model.fsdp["shard"] is not None or model.fsdp["checkpoint"]):
@@ -59,6 +61,11 @@ def _train(cfg: DictConfig) -> dict[str, float]:
         )
         for change in changes:
             log.info("resuming with %s", change)
+    return datamodule, model, trainer
+
+
+def _fit(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule, trainer: L.Trainer) -> dict:
+    record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)

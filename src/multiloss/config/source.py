@@ -166,15 +166,17 @@ def parsed(name: str) -> Module | None:
 
 
 def _is_light(name: str) -> bool:
+    """Modules used live: the standard library, the light ones above, and this package's config checks (whose
+    `require` and `ConfigError` the reading recognises as themselves)."""
     top = name.partition(".")[0]
-    return top in LIGHT_MODULES or top in sys.stdlib_module_names
+    return top in LIGHT_MODULES or top in sys.stdlib_module_names or name.startswith(("multiloss.config.", "builtins"))
 
 
 def module_ref(name: str) -> Live | Module | Any:
-    """Module ``name``: live when imported already or light, else its parsed source (UNKNOWN without one)."""
-    if name in sys.modules:
-        return Live(sys.modules[name])
-    if _is_light(name):
+    """Module ``name``: live when light, else its parsed source — even when imported already, so that the reading is
+    the same in a process that has imported torch (a test's) as before the imports — and live only when it has no
+    Python source (a compiled module already imported); UNKNOWN where neither is there."""
+    if _is_light(name) or name == "multiloss.config":
         try:
             return Live(importlib.import_module(name))
         except ImportError:
@@ -182,6 +184,8 @@ def module_ref(name: str) -> Live | Module | Any:
     if _spec(name) is None:
         return NOT_BOUND
     module = parsed(name)
+    if module is None and name in sys.modules:
+        return Live(sys.modules[name])
     return module if module is not None else UNKNOWN
 
 

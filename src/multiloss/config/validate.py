@@ -238,6 +238,8 @@ def source_target(target_name: str) -> Target | None:
     if isinstance(found, source.Definition) and found.is_class:
         bound = source.class_attribute(found, "passed_to_components", source.own_packages(found))
         passes_down = source.literal(bound.module, bound.expr) if isinstance(bound, source.Value) else {}
+        if isinstance(bound, source.Live):
+            passes_down = bound.value
         if passes_down is source.UNKNOWN:
             return None
     name = found.qualname if isinstance(found, source.Definition) else _qualname(found.value)
