@@ -80,8 +80,8 @@ def _digest(root: Path) -> dict[str, str]:
     }
 
 
-# (override, what the one-line message must name). Hydra's own composition errors (exit 1) and
-# multiloss's (exit 2) both count: no traceback either way.
+# (override, what the one-line message must name): one message, exit 2, whether Hydra finds the mistake while
+# composing or multiloss after (before torch is imported, `multiloss.config.early`, or after, with the run's data).
 BAD_INPUTS = [
     ("seed=abc", ["seed", "abc"]),  # wrong type, caught by the structured schema
     ("data.batch_size=abc", ["data.batch_size", "abc", "int"]),  # wrong type, by the signature

@@ -154,8 +154,8 @@ def test_the_install_is_what_the_suite_passed_with():
     """pyproject's ranges exclude the compromised Lightning releases, and this environment (what `make` installs) holds
     every package at the version constraints.txt pins: the versions this suite passes with."""
     import importlib.metadata
-    import tomllib
 
+    import tomllib
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 

@@ -71,16 +71,30 @@ def consolidate_main(argv: list[str] | None = None) -> None:
 
 def _run_hydra(config_name: str, task: Callable[[DictConfig], object]) -> None:
     """Hydra's main with ``task``; a mistake Hydra finds while composing (an option or a key that does not exist, a
-    value it cannot parse) is one message naming the key, exit 2, as every other config error."""
+    value it cannot parse) is one message naming the key, exit 2, as every other config error. ``--help`` is the
+    config's help template rendered here (`multiloss.config.help.print_help`: Hydra's own takes a second longer)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from multiloss.config.composition import explained, hydra_errors_raised
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from multiloss.config.help import print_help
 
+        try:
+            print_help(sys.argv[1:], config_name)
+        except (HydraException, OmegaConfBaseException):
+            pass  # a mistake in the overrides: Hydra's own help path reports it, below
+        else:
+            return
+
+    from multiloss.config.composition import explained, hydra_errors_raised, user_wants_hydras_report
+
+    asked_for_hydras_report = user_wants_hydras_report()
     try:
         with hydra_errors_raised():
             _hydra_main(config_name, task)()
     except (HydraException, OmegaConfBaseException) as err:
+        if asked_for_hydras_report:
+            raise
         error = explained(err, sys.argv[1:], config_name)
         if error is None:
             _fail("config error", " ".join(str(err).split()), 2)

@@ -30,19 +30,31 @@ def hydra_errors_raised() -> Iterator[None]:
     """Hydra raises its composition errors (``HYDRA_FULL_ERROR=1``) in the block instead of printing them, unless the
     user set ``HYDRA_FULL_ERROR`` (then Hydra does as it is told). The task restores the setting first thing
     (`restore_full_error`), so that errors inside a run, and the ranks it starts, see the user's own."""
-    user = os.environ.get("HYDRA_FULL_ERROR")
-    if user is None:
-        os.environ["HYDRA_FULL_ERROR"] = "1"
-        os.environ["MULTILOSS_HYDRA_FULL_ERROR_SET"] = "1"
+    if user_wants_hydras_report():
+        yield
+        return
+    os.environ[_SAVED] = os.environ.get("HYDRA_FULL_ERROR", _UNSET)
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         yield
     finally:
         restore_full_error()
 
 
+_SAVED, _UNSET = "MULTILOSS_USERS_HYDRA_FULL_ERROR", "<unset>"
+
+
+def user_wants_hydras_report() -> bool:
+    """``HYDRA_FULL_ERROR=1`` set by the user (not by `hydra_errors_raised`): Hydra's own traceback, as asked."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" and _SAVED not in os.environ
+
+
 def restore_full_error() -> None:
-    if os.environ.pop("MULTILOSS_HYDRA_FULL_ERROR_SET", None):
+    saved = os.environ.pop(_SAVED, None)
+    if saved == _UNSET:
         os.environ.pop("HYDRA_FULL_ERROR", None)
+    elif saved is not None:
+        os.environ["HYDRA_FULL_ERROR"] = saved
 
 
 def explained(error: BaseException, argv: list[str], config_name: str) -> ConfigError | None:
@@ -117,11 +129,11 @@ def _judged_as_added(override: str, argv: list[str], config_name: str) -> Config
 
     key, _, value = override.partition("=")
     others = [o for o in overrides(argv) if o != override]
-    extra = [f"hydra.searchpath=[file://{Path(d).resolve()}]" for d in _config_dirs(argv)]
+    extra = [f"hydra.searchpath=[file://{Path(d).resolve()}]" for d in config_dirs(argv)]
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             cfg = compose(
-                _config_name(argv, config_name),
+                config_name_in(argv, config_name),
                 overrides=[*extra, *others, f"+{override}"],
                 return_hydra_config=True,
             )
@@ -166,10 +178,10 @@ def _flag_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return [v for v in values if v]
 
 
-def _config_dirs(argv: list[str]) -> list[str]:
+def config_dirs(argv: list[str]) -> list[str]:
     return _flag_values(argv, ("--config-dir", "-cd"))
 
 
-def _config_name(argv: list[str], default: str) -> str:
+def config_name_in(argv: list[str], default: str) -> str:
     names = _flag_values(argv, ("--config-name", "-cn"))
     return names[-1] if names else default

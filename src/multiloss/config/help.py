@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -27,6 +28,78 @@ def recipe_lines() -> str:
             doc = f"(cannot read {target or f'recipe/{name}'}: {err})"
         lines.append(f"  {name:<13} {doc}\n  {'':<13} python train.py recipe={name}")
     return "\n".join(lines)
+
+
+def config_groups(hydra_groups: bool = False) -> str:
+    """Every config group (Hydra's own, or all others) with its options, one ``group: a, b`` line each: what Hydra's
+    ``$APP_CONFIG_GROUPS`` (``$HYDRA_CONFIG_GROUPS``) lists, read from one config repository (Hydra's own listing
+    builds a copy of the repository for each group it asks about: a second of ``--help`` spent copying).
+    """
+    from hydra.core.object_type import ObjectType
+
+    repository = GlobalHydra.instance().config_loader().repository
+
+    def groups(parent: str) -> list[str]:
+        found = []
+        for name in repository.get_group_options(parent, ObjectType.GROUP):
+            group = f"{parent}/{name}" if parent else name
+            if repository.get_group_options(group, ObjectType.CONFIG):
+                found.append(group)
+            found.extend(groups(group))
+        return found
+
+    def is_hydras(group: str) -> bool:
+        return group == "hydra" or group.startswith("hydra/")
+
+    return "".join(
+        f"{group}: {', '.join(sorted(repository.get_group_options(group, ObjectType.CONFIG)))}\n"
+        for group in sorted(set(groups("")))
+        if is_hydras(group) == hydra_groups
+    )
+
+
+def print_help(argv: list[str], config_name: str) -> None:
+    """``--help``: the config's ``hydra.help.template``, as Hydra renders it (its ``$APP_CONFIG_GROUPS``,
+    ``$HYDRA_CONFIG_GROUPS``, ``$FLAGS_HELP`` and ``$CONFIG`` filled in), without Hydra's copies of the repository."""
+    import string
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_module
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from multiloss.config.composition import CONFIG_MODULE, config_dirs, config_name_in, overrides
+
+    extra = [f"hydra.searchpath=[file://{Path(d).resolve()}]" for d in config_dirs(argv)]
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        cfg = compose(config_name_in(argv, config_name), overrides=[*extra, *overrides(argv)], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        template = str(cfg.hydra.help.template)
+        fields = {
+            "APP_CONFIG_GROUPS": lambda: config_groups(),
+            "HYDRA_CONFIG_GROUPS": lambda: config_groups(hydra_groups=True),
+            "FLAGS_HELP": lambda: _flags_help(get_args_parser()),
+            "CONFIG": lambda: _without_hydra(cfg, open_dict, resolve="--resolve" in argv),
+        }
+        values = {name: make() for name, make in fields.items() if f"${name}" in template or f"${{{name}}}" in template}
+    print(string.Template(template).safe_substitute(values))
+
+
+def _flags_help(parser: Any) -> str:
+    """Hydra's ``$FLAGS_HELP`` (``Hydra.format_args_help``)."""
+    lines = [f"{','.join(a.option_strings)} : {a.help}" for a in parser._actions if a.option_strings]
+    positional = next(a for a in parser._actions if not a.option_strings)
+    return "\n".join(lines) + "\nOverrides : " + positional.help
+
+
+def _without_hydra(cfg: Any, open_dict: Any, resolve: bool) -> str:
+    import copy
+
+    clean = copy.deepcopy(cfg)
+    with open_dict(clean):
+        del clean["hydra"]
+    return OmegaConf.to_yaml(clean, resolve=resolve)
 
 
 def class_summary(target: str) -> str:

@@ -298,6 +298,8 @@ def lookup(module: Module, name: str, _depth: int = 0) -> Any:
         found = attribute_of(module_ref(source), name, source, _depth + 1)
         if found is not NOT_BOUND:
             return found if not name.startswith("_") else NOT_BOUND
+    if module.is_package and module_exists(f"{module.name}.{name}"):
+        return module_ref(f"{module.name}.{name}")  # what `package.name` is once its submodule is imported
     if any(isinstance(s, ast.FunctionDef) and s.name == "__getattr__" for s in module.tree.body):
         return UNKNOWN  # a module-level __getattr__ serves names the source does not bind
     if hasattr(builtins, name):
