@@ -139,10 +139,18 @@ def train_task(cfg: DictConfig) -> dict[str, float] | float:
     The config is checked before torch and Lightning are imported (`multiloss.config.early`): a mistake is named in
     a second, with the message the run would give after the imports.
     """
-    check_before_imports(cfg)
-    from multiloss.training import train
+    from multiloss import early_ranks
 
-    metrics = run(train, cfg)
+    if not early_ranks.started_early():  # a rank rank zero started early runs the config rank zero checked
+        check_before_imports(cfg)
+
+    early_ranks.start(cfg)  # a one-node DDP/FSDP run's other ranks, now: they import and build alongside this one
+    try:
+        from multiloss.training import train
+
+        metrics = run(train, cfg)
+    finally:
+        early_ranks.finished()
     return optimized_value(metrics, cfg.get("optimized_metric"))
 
 
@@ -206,8 +214,12 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         if not os.environ.get("SUBMITIT_EXECUTOR"):  # a job's log handlers still write into its dir
             _remove_if_empty(cfg)
-        # Another rank of this job prints it (multiloss.distributed.ReportOnce).
-        _fail("config error", err.message, 2, quiet=getattr(err, "reported_elsewhere", False))
+        # Another rank of this job prints it (multiloss.distributed.ReportOnce; before the ranks share a group:
+        # multiloss.early_ranks.report_once).
+        from multiloss.early_ranks import report_once
+
+        quiet = getattr(err, "reported_elsewhere", False) or not report_once(err.message)
+        _fail("config error", err.message, 2, quiet=quiet)
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
     except CollectiveStalled as err:

@@ -20,20 +20,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning as L
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_original_cwd
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from multiloss import early_ranks
 from multiloss import lightning_internals as internals
+from multiloss.child_command import job_command
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
 from multiloss.stalls import is_stall, note_stall
@@ -58,45 +58,31 @@ def synced(module: L.LightningModule, name: str) -> nn.Module:
     return wrapper if wrapper is not None else getattr(module, name)
 
 
-def job_command(local_rank: int) -> tuple[Sequence[str], str]:
-    """The command that runs *this Hydra job* (not the whole command line) for a child rank."""
-    import __main__
-
-    hydra_cfg = HydraConfig.get()
-    if __main__.__spec__ is None:
-        command = [sys.executable, os.path.abspath(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
-    # Keep how the user pointed at the config (--config-path/-cp, --config-name/-cn, --config-dir/-cd).
-    args = sys.argv[1:]
-    for i, arg in enumerate(args):
-        if arg.split("=")[0] in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"):
-            command += [arg] if "=" in arg else [arg, args[i + 1]]
-    command += list(hydra_cfg.overrides.task)
-    command += [
-        f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
-        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
-        "hydra.output_subdir=null",
-    ]
-    return command, get_original_cwd()
-
-
 class HydraJobLauncher(internals.ScriptLauncher):
-    """Lightning's script launcher, starting each child with `job_command` (the Hydra job, not the command line).
+    """Lightning's script launcher, starting each child with `job_command` (the Hydra job, not the command line), or
+    taking over the ranks `multiloss.early_ranks` started with the same command before the imports.
 
     After the job it leaves the launching process as it found it, so the next job of a sweep in
     the same process launches its own ranks again (see `finish`).
     """
 
     command = staticmethod(job_command)
-    _ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
     # After this process failed: how long its ranks get to end by themselves (an error they meet too, a stall they
     # report) before they are killed. A rank waiting for this one in a collective would otherwise wait out the
     # whole collective_timeout, and this process (waiting for it) with it.
     GRACE_AFTER_FAILURE_S = 30.0
 
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        env_before = early_ranks.saved_environment()
+        environment = self.cluster_environment
+        ranks = early_ranks.adopt(self.num_processes, self.num_nodes, type(environment) is LightningEnvironment)
+        if ranks is not None:  # already started: this process becomes their rank zero, as Lightning's launch makes it
+            self._env_before, self.failed, self.procs = env_before, False, ranks.procs
+            internals.watch_children(self.procs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
     def before_launch(self) -> None:
-        self._env_before = {key: os.environ.get(key) for key in self._ENV}
+        self._env_before = early_ranks.saved_environment()
         self.failed = False
 
     def note_failure(self) -> None:

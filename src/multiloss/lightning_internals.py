@@ -251,6 +251,12 @@ def _launch_patient_observer(child_processes: list[Any]) -> None:
     _PatientObserver(child_processes=child_processes, main_pid=os.getpid()).start()
 
 
+def watch_children(child_processes: list[Any]) -> None:
+    """Watch ranks this process did not start through Lightning's launcher as Lightning watches those it starts
+    (``_launch_process_observer``, the patient form): a rank that fails ends the job."""
+    _launch_patient_observer(child_processes)
+
+
 def use_launcher(strategy: DDPStrategy, launcher_class: type[ScriptLauncher]) -> None:
     """Give ``strategy`` a ``launcher_class`` where Lightning gave it its stock script launcher."""
     if type(strategy._launcher) is subprocess_script._SubprocessScriptLauncher:
