@@ -25,6 +25,7 @@ from multiloss.balancers.protocol import unpack_state
 from multiloss.testing import assert_gradients_close, build, first_batch, tbptt_gradients
 from tests.conftest import CONFIG_DIR, QUIET, ROOT, compose_config, load_checkpoint, load_weights, run_cli, train_here
 from tests.helpers import char_streams, padded_tbptt, padded_token_npz, same_state
+from tests.rank_pool import pooled_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -35,7 +36,13 @@ ONE = ("trainer=cpu",)
 
 
 def _train(out: Path, *overrides: str) -> Path:
-    # From the run dir's parent: a file written outside the run dir would show up beside it.
+    """A 2-rank run on this worker's two ranks (`tests.rank_pool`), from the run dir's parent: a file written outside
+    the run dir would show up beside it."""
+    return pooled_train(out, *QUIET_RUN, *overrides, cwd=out.parent)
+
+
+def _command(out: Path, *overrides: str) -> Path:
+    """``python train.py <overrides>`` as a user starts it (Lightning's launcher, or ours, starts rank 1)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = run_cli(*QUIET_RUN, *overrides, f"hydra.run.dir={out}", cwd=out.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -403,8 +410,9 @@ def test_slurm_launcher_config_composes():
 
 def test_two_devices_with_strategy_auto_run_multiloss_ddp(tmp_path):
     """`trainer.devices=2` alone (strategy auto) picks DDP: the GAN then needs multiloss's per-network
-    wrappers, which stock Lightning DDP lacks (its unused-parameters error)."""
-    out = _train(
+    wrappers, which stock Lightning DDP lacks (its unused-parameters error). As a user starts it: Lightning picks the
+    strategy and starts rank 1 itself."""
+    out = _command(
         tmp_path / "auto",
         "recipe=gan",
         "trainer.accelerator=cpu",

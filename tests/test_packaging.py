@@ -177,6 +177,8 @@ def test_the_install_is_what_the_suite_passed_with():
     assert {"lightning", "hydra-core", "torchmetrics", "pip"} <= pins.keys()
     if not (Path(sys.prefix) / ".multiloss-installed").exists():
         pytest.skip(f"{sys.prefix} is not the environment `make` builds with constraints.txt")
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # Only the environment's own site-packages: setuptools puts its vendored copies (packaging, zipp, ...) on the path.
+    site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     differ = {name: (pin, installed.get(name)) for name, pin in pins.items() if installed.get(name) != pin}
     assert not differ, f"pinned vs installed: {differ}"

@@ -6,8 +6,8 @@ accumulation reduce-scatters once an optimizer step; a sharded run stopped at ev
 ends with the straight run's weights; the sharded ``last.ckpt`` (a directory, one shard a rank) is verified,
 evaluated, loaded and consolidated into one file; what FSDP2 cannot do is refused before a process starts.
 
-Each run is ``python train.py ...`` in a subprocess, as a user starts it (Lightning's launcher re-executes the
-script for rank 1).
+Each run is `multiloss.train` on two real ranks kept for the worker's runs (`tests.rank_pool`); what only the
+command shows (a SIGTERM's stop, the evaluation's command) runs ``python train.py ...`` as a user starts it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from multiloss.data.vocabulary import pydoc_text
 from multiloss.saved_state import is_sharded_checkpoint
 from tests.conftest import QUIET, ROOT, SMALL_GAN, load_weights, run_cli, train_here
 from tests.helpers import logged_rates
+from tests.rank_pool import pooled_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -137,10 +138,8 @@ def corpus(tmp_path_factory) -> tuple[str, ...]:
 
 
 def _train(out: Path, *overrides: str) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = run_cli(*QUIET_RUN, *overrides, f"hydra.run.dir={out}", cwd=out.parent, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    """A 2-rank run of ``python train.py <overrides>`` on this worker's two ranks (`tests.rank_pool`)."""
+    return pooled_train(out, *QUIET_RUN, *overrides)
 
 
 def _worst(a: Path, b: Path) -> float:

@@ -146,10 +146,15 @@ def destroy_process_group() -> None:
     A garbage collection on each side: FSDP2's states and DDP's reducers hold the group in reference cycles, and a
     gloo group whose last reference goes only at the interpreter's exit joins worker threads that still hold tensors
     (torch's own abandoned fix, pytorch/pytorch#179291): ``terminate called without an active exception``, SIGABRT.
-    The first frees the cycles before the group is ended, the second what held the group besides its registry.
+    The first frees the cycles before the group is ended, the second what held the group besides its registry. A
+    process without a group (one device) skips both: a full collection of torch's heap is a second of CPU.
     """
     import gc
 
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
     gc.collect()
     fabric_distributed._destroy_dist_connection()
     gc.collect()
