@@ -23,6 +23,7 @@ from multiloss.saved_state import is_sharded_checkpoint
 from multiloss.sharding import _units, check_policy
 from tests.conftest import QUIET, ROOT, run_cli
 from tests.helpers import logged_rates
+from tests.rank_pool import pooled_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -73,7 +74,7 @@ def test_a_sharded_resume_applies_and_refuses_what_a_file_resume_does(tmp_path):
     out = tmp_path / "run"
     # One name for a list of one, and a container named by its name: the trunk's blocks, each a unit (and below,
     # activation checkpointing of one class given without brackets).
-    _ok(out, *FSDP, "trainer.max_steps=3", "model.fsdp.shard=blocks")
+    pooled_train(out, *RUN, *FSDP, "trainer.max_steps=3", "model.fsdp.shard=blocks")
     assert is_sharded_checkpoint(out / "checkpoints/last.ckpt")
 
     _refused(out, "model.scheduler._target_", *FSDP, "scheduler=step", "trainer.max_steps=6", "ckpt_path=last")
@@ -100,9 +101,7 @@ DAMAGES = {
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sharded") / "run"
-    _ok(out, *FSDP, "trainer.max_steps=3")
-    return out
+    return pooled_train(tmp_path_factory.mktemp("sharded") / "run", *RUN, *FSDP, "trainer.max_steps=3")
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
