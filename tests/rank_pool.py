@@ -85,7 +85,8 @@ class RankPool:
             self._fail(job, results, "")
 
     def _fail(self, job: int, results: list[Path], why: str) -> None:
-        said = [json.loads(r.read_text())["error"] for r in results if r.exists() and not json.loads(r.read_text())["ok"]]
+        outcome = [json.loads(r.read_text()) for r in results if r.exists()]
+        said = [o["error"] for o in outcome if not o["ok"]]
         self.close()
         tail = self.log.read_text()[-4000:] if self.log.exists() else ""
         raise AssertionError(f"pooled run {job} failed{': ' + why if why else ''}\n" + "\n".join(said) + "\n" + tail)
@@ -146,7 +147,7 @@ def serve(directory: Path) -> None:
             os.chdir(spec["cwd"])
             train(compose(*spec["overrides"], output_dir=spec["output_dir"]))
             result = {"ok": True}
-        except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        except BaseException:  # reported to the test, which fails with it
             result = {"ok": False, "error": f"rank {rank}:\n{traceback.format_exc()}"}
         staged = directory / f".result-{job}-rank{rank}.json"
         staged.write_text(json.dumps(result))
