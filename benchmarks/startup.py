@@ -91,6 +91,7 @@ class Checkout:
                 f"recipe={recipe}",
                 f"trainer={engine}",
                 "print_config=false",
+                "~callbacks.progress_bar",
                 "trainer.enable_progress_bar=false",
                 f"hydra.run.dir={tmp}/run",
                 "+callbacks.first_step._target_=startup.FirstStep",

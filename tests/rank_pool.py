@@ -19,16 +19,16 @@ and the test fails with both ranks' tracebacks; the next run starts a new pool.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from multiloss.early_ranks import kill
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -92,12 +92,7 @@ class RankPool:
         raise AssertionError(f"pooled run {job} failed{': ' + why if why else ''}\n" + "\n".join(said) + "\n" + tail)
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGKILL)
-        for proc in self.procs:
-            proc.wait()
+        kill(self.procs)
         self.procs = []
 
     @property

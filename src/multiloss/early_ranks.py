@@ -74,12 +74,7 @@ class EarlyRanks:
 
     def stop(self) -> None:
         """Stop the ranks (they have not joined any group: nothing of theirs is lost) and forget them."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGKILL)
-        for proc in self.procs:
-            proc.wait()
+        kill(self.procs)
         self.procs = []
         self.clean()
 
@@ -88,6 +83,16 @@ class EarlyRanks:
             shutil.rmtree(self.reports, ignore_errors=True)
             os.environ.pop(REPORTS, None)
             self.reports = None
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each process still running, then wait for all (none is left a zombie)."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
 
 
 _started: EarlyRanks | None = None
@@ -231,4 +236,4 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-__all__ = ["EarlyRanks", "adopt", "discard", "finished", "processes_wanted", "report_once", "settle", "start"]
+__all__ = ["EarlyRanks", "adopt", "discard", "finished", "kill", "processes_wanted", "report_once", "settle", "start"]

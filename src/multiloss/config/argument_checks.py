@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import functools
 import inspect
 import math
 import operator
@@ -511,7 +510,6 @@ def _take(iterator: Iterator[Any]) -> Iterator[Any]:
         yield item
 
 
-@functools.cache
 def _is_generator(node: ast.FunctionDef) -> bool:
     return any(
         isinstance(n, ast.Yield | ast.YieldFrom)

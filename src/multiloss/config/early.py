@@ -34,6 +34,7 @@ def check_early(cfg: DictConfig) -> None:
     try:
         _check_early(cfg)
     finally:
+        source.forget()
         if gc_was_on:
             gc.enable()
 
