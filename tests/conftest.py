@@ -19,6 +19,9 @@ from multiloss import testing
 # checker: before each collective every rank's call is compared (op, shapes, dtypes), so a collective one rank issues
 # alone fails at once with both ranks' calls named, instead of hanging the test.
 os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+# The check before the imports (multiloss.config.early) fails loudly on a source it cannot read, in the tests' own
+# process and in every command they run, instead of leaving the check to the run as a user's run does.
+os.environ["MULTILOSS_STRICT_EARLY"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"

@@ -25,12 +25,9 @@ from tests.conftest import CONFIG_DIR, run_cli
 from tests.test_cli import BAD_INPUTS, MISSING
 
 
-@pytest.fixture(autouse=True)
-def _strict_reading():
-    """A construct the reader gets wrong fails the test instead of leaving the check to the run."""
-    argument_checks.STRICT = True
-    yield
-    argument_checks.STRICT = False
+def test_the_tests_read_strictly():
+    """A construct the reader gets wrong fails a test instead of leaving the check to the run (tests/conftest.py)."""
+    assert argument_checks.STRICT
 
 
 def _early(cfg) -> str | None:

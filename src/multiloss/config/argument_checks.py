@@ -18,6 +18,7 @@ import builtins
 import inspect
 import math
 import operator
+import os
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,9 @@ MAX_DEPTH = 3  # calls followed inside calls (a class's chain of ``super().__ini
 LIBRARY_DEPTH = 1  # ... for a library's own class (the Trainer, an optimizer): its checks sit in the constructor
 MAX_STEPS = 20_000  # statements and expressions read for one constructor
 MAX_SIZE = 10_000  # the longest sequence built while reading
-STRICT = False  # the tests set it: a construct the reader fails on raises instead of leaving the check to later
+# The tests set it (and MULTILOSS_STRICT_EARLY=1 for their commands): a construct the reading fails on raises, where a
+# user's run leaves the check to the run's own.
+STRICT = os.environ.get("MULTILOSS_STRICT_EARLY") == "1"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ def check_early(cfg: DictConfig) -> None:
     try:
         _check_early(cfg)
     finally:
-        source.forget()
         if gc_was_on:
             gc.enable()
 
