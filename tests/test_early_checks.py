@@ -238,6 +238,8 @@ def test_the_reading_reports_only_what_the_code_surely_raises(tmp_path):
     found = _definitions(
         tmp_path,
         """
+        import abc
+
         from multiloss.config import ConfigError, require
 
         def helper(values):
@@ -255,6 +257,24 @@ def test_the_reading_reports_only_what_the_code_surely_raises(tmp_path):
                 values = list(values or [1])
                 helper(values)                  # a call that may change what it is given
                 require(all(v > 0 for v in values), "values", values, "positives")
+
+        class Spec:
+            pass
+
+        class Abstract(abc.ABC):
+            pass
+
+        class Takes:
+            def __init__(self, spec=None):
+                if isinstance(spec, Spec):
+                    return                      # no plain value is a Spec: read on
+                require(spec is None or "scope" in spec, "spec", spec, "a mapping with a scope")
+
+        class TakesAbstract:
+            def __init__(self, spec=None):
+                if isinstance(spec, Abstract):
+                    return                      # an ABC may claim a plain value (register): unknown, may have left
+                require(spec is None or "scope" in spec, "spec", spec, "a mapping with a scope")
 
         class Loop:
             def __init__(self, sizes=(1, 2)):
@@ -275,3 +295,5 @@ def test_the_reading_reports_only_what_the_code_surely_raises(tmp_path):
     assert rejection(found["Loop"], {"sizes": [1, -2]}).message.startswith("sizes.1=-2")
     assert rejection(found["Loop"], {"sizes": [6, 6]}).message.startswith("sizes=[6, 6]")
     assert rejection(found["Loop"], {"sizes": UNKNOWN}) is None
+    assert rejection(found["Takes"], {"spec": {"x": 1}}).message.startswith("spec={'x': 1}")
+    assert rejection(found["TakesAbstract"], {"spec": {"x": 1}}) is None

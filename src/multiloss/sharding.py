@@ -61,7 +61,7 @@ def shard_components(
     """``fully_shard`` each component of ``module`` named in ``names`` on its own: the units ``shard`` picks (class
     names or fnmatch patterns of module names; None: each child with parameters), then the component's root.
     ``recompute``: the classes whose activations are recomputed in the backward (``model.fsdp.checkpoint``).
-    `check_policy` has judged both (`Recipe.check_sharding`, before the processes start).
+    `check_policy` has judged both (`Recipe.check_sharding`, before training starts).
 
     The components in ``held_whole`` are gathered at their forward and kept whole until their step's gradients are
     handed over (`LocalGradients`, returned by name)."""

@@ -47,7 +47,7 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
     if (streams := getattr(datamodule, "streams", None)) is not None:
         streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
     if isinstance(model, Recipe) and parallelism_of(trainer).sharded:
-        model.check_sharding(trainer)  # what FSDP2 cannot do, before its processes start
+        model.check_sharding(trainer)  # what FSDP2 cannot do, before training starts (every rank, one message)
     elif isinstance(model, Recipe) and (model.fsdp["shard"] is not None or model.fsdp["checkpoint"]):
         rank_zero_warn(
             f"model.fsdp={dict(model.fsdp)} applies under trainer=fsdp / fsdp_cpu only: "

@@ -2,7 +2,7 @@
 
 `build_balancer` makes it for the recipe's tasks once they are known (before the first step, or before a
 checkpoint's weights load into it); `rule_on_each_rank` and `check_sharded_balancer` answer, from the
-config alone and before any process starts, what a gradient rule needs of FSDP2.
+config alone and before training starts, what a gradient rule needs of FSDP2.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from multiloss.config import source
@@ -395,6 +396,18 @@ class _Reader:
             self.run_function(init, [instance, *args], kwargs, depth, owner=klass)
             return
 
+    def class_attribute(self, cls: _Callable, name: Any, default: Any) -> Any:
+        """``getattr(cls, name, default)`` of a class the source defines: the literal its order's bodies set it to."""
+        target = cls.target
+        if not (isinstance(target, Definition) and target.is_class and isinstance(name, str)):
+            return UNKNOWN
+        bound = source.class_attribute(target, name)  # every class of its order read: an unread one may set it
+        if bound is NOT_BOUND and source.mro(target) is not None:
+            return default
+        if isinstance(bound, Value):
+            return self.module_value(bound.module, bound.expr)
+        return bound.value if isinstance(bound, Live) and _known(bound.value) else UNKNOWN
+
     def reads(self, definition: Definition) -> bool:
         return definition.module.name.partition(".")[0] in self.packages
 
@@ -404,6 +417,17 @@ class _Reader:
             if _known(ok) and not bool(ok) and all(_known(v) for v in rest):
                 raise _Raise(ConfigError(*rest))
             return None
+        if fn is get_object:  # Hydra's lookup of a dotted path: where the source says it points
+            found = source.locate(args[0])[0] if len(args) == 1 and isinstance(args[0], str) and not kwargs else None
+            if isinstance(found, Definition):
+                return _Callable(found)
+            return found.value if isinstance(found, Live) else UNKNOWN
+        if fn is isinstance and len(args) == 2 and _is_plain_data(args[0]) and not kwargs:
+            classes = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(c, _Callable) for c in classes):
+                return _plain_isinstance(args[0], classes)
+        if fn is getattr and args and isinstance(args[0], _Callable) and len(args) in (2, 3):
+            return self.class_attribute(args[0], args[1], args[2] if len(args) == 3 else UNKNOWN)
         if inspect.isfunction(fn) and fn not in _PURE_FUNCTIONS:
             followed = _source_of(fn)  # a function of a module already imported: read like the others
             return self.call(_Callable(followed), args, kwargs, depth) if followed is not None else UNKNOWN
@@ -491,6 +515,30 @@ def _bind_require(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
     names = ["ok", "key", "value", "accepted", "problem"]
     values = dict(zip(names, args)) | kwargs
     return [values.get("ok", UNKNOWN), *(values.get(n) for n in names[1:4]), values.get("problem")]
+
+
+def _plain_isinstance(value: Any, classes: tuple[Any, ...]) -> Any:
+    """``isinstance(value, classes)`` for a plain config value and classes some of which the source defines: such a
+    class holds no plain value when its whole order is known and has no abstract base (which could register one)."""
+    for cls in classes:
+        if isinstance(cls, _Callable):
+            order = source.mro(cls.target) if isinstance(cls.target, Definition) and cls.target.is_class else None
+            if order is None or any(_may_claim_plain_values(c) for c in order):
+                return UNKNOWN
+        elif inspect.isclass(cls) or isinstance(cls, types.UnionType):
+            if isinstance(value, cls):
+                return True
+        else:
+            return UNKNOWN
+    return False
+
+
+def _may_claim_plain_values(cls: Any) -> bool:
+    """A class whose instance check may take a dict or a number for one of its own: an ABC, a Protocol, a class with a
+    metaclass of its own."""
+    if inspect.isclass(cls):
+        return cls not in (object,) and type(cls) is not type and cls.__module__ != "typing"
+    return any(k.arg == "metaclass" for k in cls.node.keywords)
 
 
 def _source_of(fn: Any) -> Definition | None:

@@ -63,6 +63,7 @@ LIGHT_MODULES = frozenset(
         "typing_extensions",
         "warnings",
         "omegaconf",
+        "hydra",
     }
 )
 
