@@ -20,7 +20,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from multiloss import early_ranks
 from multiloss import lightning_internals as internals
 from multiloss.checkpoints import AtomicCheckpointIO
 from multiloss.config import ConfigError
@@ -46,10 +45,6 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
         ),
         cfg.trainer.get("strategy"),
     )
-    # Ranks started before the imports (multiloss.early_ranks) that this strategy would not take over: stopped now.
-    from multiloss.distributed import HydraJobStrategy
-
-    early_ranks.settle(trainer.strategy, isinstance(trainer.strategy, HydraJobStrategy))
     strategy_node = cfg.trainer.get("strategy")
     if not (isinstance(strategy_node, DictConfig) and "timeout" in strategy_node):  # a strategy's own timeout wins
         internals.set_process_group_timeout(trainer.strategy, timedelta(seconds=cfg.get("collective_timeout", 1800)))

@@ -197,9 +197,7 @@ def finished() -> None:
     """The run of this process is over: a launcher that adopted the ranks has waited for them; forget them."""
     global _started
     if _started is not None:
-        if not _started.adopted:
-            _started.stop()
-        _started.clean()
+        _started.clean() if _started.adopted else _started.stop()
     _started = None
 
 

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import lightning as L
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from multiloss import early_ranks, sharding
 from multiloss import lightning_internals as internals
-from multiloss import sharding
 
 NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
 _ATTRIBUTE = "_multiloss_parallelism"  # where a strategy keeps the one Parallelism chosen for it
@@ -110,6 +110,9 @@ def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
     trainer = build()
     if (ddp := multiloss_ddp(trainer, requested)) is not None:
         trainer = build(strategy=ddp)
-    if isinstance(trainer.strategy, HydraJobStrategy):
+    launches_hydra_jobs = isinstance(trainer.strategy, HydraJobStrategy)
+    if launches_hydra_jobs:
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
+    # Ranks started before the imports (multiloss.early_ranks) that this strategy will not take over: stopped now.
+    early_ranks.settle(trainer.strategy, launches_hydra_jobs)
     return trainer

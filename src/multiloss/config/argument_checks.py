@@ -51,44 +51,41 @@ class Raised:
         return any(name in self.classes for name in names)
 
 
-def rejection(target: Any, arguments: Mapping[str, Any]) -> ConfigError | Raised | None:
+def construct(target: Any, arguments: Mapping[str, Any]) -> tuple[ConfigError | Raised | None, Any]:
     """What ``target(**arguments)`` raises among the checks its source makes that can be told from ``arguments``
-    alone (`UNKNOWN` for an argument whose value is not known), or None."""
+    alone (`UNKNOWN` for an argument whose value is not known), or None; and the instance it leaves, as far as its
+    source tells (its attributes), or UNKNOWN."""
     reader = _Reader(target)
-    try:
-        reader.call(_Callable(target), [], dict(arguments), depth=0)
-    except _Raise as raised:
-        return raised.error
-    except (_Stop, _Return, _Break, _Continue, RecursionError):
-        return None
-    except Exception:  # a construct this reader gets wrong: the real constructor still checks, later
-        if STRICT:
-            raise
-    return None
+    return _read(lambda: reader.call(_Callable(target), [], dict(arguments), depth=0))
 
 
-def method_rejection(cls: Definition, attributes: Any, name: str, *args: Any) -> ConfigError | Raised | None:
-    """What ``instance.name(*args)`` raises, for an instance whose constructor was read (`constructed`)."""
+def rejection(target: Any, arguments: Mapping[str, Any]) -> ConfigError | Raised | None:
+    """`construct`'s error alone."""
+    return construct(target, arguments)[0]
+
+
+def method_rejection(cls: Definition, instance: Any, name: str, *args: Any) -> ConfigError | Raised | None:
+    """What ``instance.name(*args)`` raises, for an instance whose constructor was read (`construct`)."""
     reader = _Reader(cls)
     fn = _find_method(cls, name, reader.packages)
     if not isinstance(fn, Definition):
         return None
+    owner = _defining_class(cls, name, reader.packages)
+    return _read(lambda: reader.run_function(fn, [instance, *args], {}, depth=0, owner=owner))[0]
+
+
+def _read(reading: Callable[[], Any]) -> tuple[ConfigError | Raised | None, Any]:
+    """``reading()``'s value, or the error it surely raises; (None, UNKNOWN) where it cannot be told."""
     try:
-        reader.run_function(fn, [attributes, *args], {}, depth=0, owner=_defining_class(cls, name, reader.packages))
+        return None, reading()
     except _Raise as raised:
-        return raised.error
+        return raised.error, UNKNOWN
     except (_Stop, _Return, _Break, _Continue, RecursionError):
-        return None
-    return None
-
-
-def constructed(target: Definition, arguments: Mapping[str, Any]) -> Any:
-    """The instance ``target(**arguments)`` leaves, as far as its source tells (its attributes), or UNKNOWN."""
-    reader = _Reader(target)
-    try:
-        return reader.call(_Callable(target), [], dict(arguments), depth=0)
-    except (_Raise, _Stop, _Return, _Break, _Continue, RecursionError):
-        return UNKNOWN
+        return None, UNKNOWN
+    except Exception:  # a construct this reader gets wrong: the real constructor still checks, later
+        if STRICT:
+            raise
+        return None, UNKNOWN
 
 
 def _find_method(cls: Definition, name: str, within: frozenset[str] | None = None) -> Any:
@@ -135,6 +132,11 @@ class Instance:
 
     cls: Any
     attributes: dict[str, Any] = field(default_factory=dict)
+    forgotten: bool = False  # code not read may have set any attribute: those not set since are unknown
+
+    def forget(self) -> None:
+        self.attributes.clear()
+        self.forgotten = True
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,11 @@ def _immutable(value: Any) -> bool:
     )
 
 
+def _usable(value: Any) -> Any:
+    """A real object the reading may hold: plain data, a module, something to call (never called unless pure)."""
+    return value if (_known(value) or callable(value) or inspect.ismodule(value)) else UNKNOWN
+
+
 def _is_plain_data(value: Any) -> bool:
     return isinstance(value, (*_PLAIN, DictConfig, ListConfig))
 
@@ -351,10 +358,11 @@ class _Reader:
     def call(self, callee: Any, args: list[Any], kwargs: dict[str, Any], depth: int) -> Any:
         target = source.resolve(callee.target) if isinstance(callee, _Callable) else None
         if isinstance(target, Live):
-            return self.call_live(target.value, args, kwargs, depth)
+            return self.call_live(target.value, args, kwargs)
+        exception = None
         if isinstance(target, Definition) and target.is_class and self.reads(target):
-            exception = _exception_classes(target, self.packages)  # an exception built, at any depth
-            if exception:
+            exception = _exception_classes(target, self.packages)
+            if exception:  # an exception built, at any depth
                 return _Exception(exception, tuple(args)) if all(_known(a) for a in args) and not kwargs else UNKNOWN
         if depth > self.max_depth:
             self.stops += 1
@@ -366,7 +374,7 @@ class _Reader:
             return UNKNOWN
         if not target.is_class:
             return self.run_function(target, args, kwargs, depth, owner=None)
-        if _exception_classes(target, self.packages) is None:
+        if exception is None:  # its order cannot be told
             self.stops += 1
             return UNKNOWN
         instance = Instance(target)
@@ -383,8 +391,7 @@ class _Reader:
             if inspect.isclass(klass):
                 return  # a class of a live module (object, Generic): nothing its __init__ checks is read here
             if isinstance(klass, source.External):
-                instance.attributes.clear()  # its __init__, not read, may set any attribute
-                instance.attributes["__havoc__"] = True
+                instance.forget()  # its __init__, not read, may set any attribute
                 self.stops += 1
                 return
             init = source.method(klass, "__init__")
@@ -404,14 +411,26 @@ class _Reader:
         bound = source.class_attribute(target, name)  # every class of its order read: an unread one may set it
         if bound is NOT_BOUND and source.mro(target) is not None:
             return default
-        if isinstance(bound, Value):
-            return self.module_value(bound.module, bound.expr)
-        return bound.value if isinstance(bound, Live) and _known(bound.value) else UNKNOWN
+        return self.value_of(bound)
+
+    def value_of(self, found: Any) -> Any:
+        """The value the reading works with for a name the source binds (`multiloss.config.source.lookup`)."""
+        found = source.resolve(found)
+        if isinstance(found, Live):
+            return _usable(found.value)
+        if isinstance(found, Definition):
+            return _Callable(found)
+        if isinstance(found, Value):
+            return self.module_value(found.module, found.expr)
+        if isinstance(found, Module):
+            return found
+        return UNKNOWN
 
     def reads(self, definition: Definition) -> bool:
         return definition.module.name.partition(".")[0] in self.packages
 
-    def call_live(self, fn: Any, args: list[Any], kwargs: dict[str, Any], depth: int = MAX_DEPTH) -> Any:
+    def call_live(self, fn: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """A call of a real function (only ever of a pure one, or of `require`, or to build an exception)."""
         if fn is require:
             ok, *rest = _bind_require(args, kwargs)
             if _known(ok) and not bool(ok) and all(_known(v) for v in rest):
@@ -428,9 +447,6 @@ class _Reader:
                 return _plain_isinstance(args[0], classes)
         if fn is getattr and args and isinstance(args[0], _Callable) and len(args) in (2, 3):
             return self.class_attribute(args[0], args[1], args[2] if len(args) == 3 else UNKNOWN)
-        if inspect.isfunction(fn) and fn not in _PURE_FUNCTIONS:
-            followed = _source_of(fn)  # a function of a module already imported: read like the others
-            return self.call(_Callable(followed), args, kwargs, depth) if followed is not None else UNKNOWN
         if inspect.isclass(fn) and issubclass(fn, BaseException):
             if not all(_known(a) for a in args) or not all(_known(v) for v in kwargs.values()):
                 return UNKNOWN
@@ -539,19 +555,6 @@ def _may_claim_plain_values(cls: Any) -> bool:
     if inspect.isclass(cls):
         return cls not in (object,) and type(cls) is not type and cls.__module__ != "typing"
     return any(k.arg == "metaclass" for k in cls.node.keywords)
-
-
-def _source_of(fn: Any) -> Definition | None:
-    """The source definition of a plain top-level function of an imported module outside the standard library (None
-    for any other)."""
-    name = getattr(fn, "__module__", "") or ""
-    if source._is_light(name):
-        return None
-    module = source.parsed(name)
-    if module is None or fn.__qualname__ != fn.__name__:
-        return None
-    found = source.lookup(module, fn.__name__)
-    return found if isinstance(found, Definition) and not found.is_class else None
 
 
 def _take(iterator: Iterator[Any]) -> Iterator[Any]:
@@ -748,8 +751,7 @@ class _Frame:
         if isinstance(target, ast.Name):
             value = self.env.get(target.id)
             if isinstance(value, Instance):
-                value.attributes.clear()
-                value.attributes["__havoc__"] = True
+                value.forget()
             else:
                 self.env[target.id] = UNKNOWN
         elif isinstance(target, ast.Tuple | ast.List):
@@ -805,20 +807,7 @@ class _Frame:
         package = source._package_of(self.module, ast.Name(id=name))
         if package not in self.reader.packages and not source._is_light(package):
             return UNKNOWN  # a name from a package not read: nothing of it is followed, so it is not looked up
-        return self.ref_value(source.lookup(self.module, name))
-
-    def ref_value(self, found: Any) -> Any:
-        found = source.resolve(found)
-        if isinstance(found, Live):
-            value = found.value
-            return value if (_known(value) or callable(value) or inspect.ismodule(value)) else UNKNOWN
-        if isinstance(found, Definition):
-            return _Callable(found)
-        if isinstance(found, Value):
-            return self.reader.module_value(found.module, found.expr)
-        if isinstance(found, Module):
-            return found
-        return UNKNOWN
+        return self.reader.value_of(source.lookup(self.module, name))
 
     def _Attribute(self, expr: ast.Attribute) -> Any:
         owner = self.expr(expr.value)
@@ -826,7 +815,7 @@ class _Frame:
         if isinstance(owner, Instance):
             if name in owner.attributes:
                 return owner.attributes[name]
-            if owner.attributes.get("__havoc__"):
+            if owner.forgotten:
                 return UNKNOWN
             within = self.reader.packages
             found = _find_method(owner.cls, name, within) if isinstance(owner.cls, Definition) else None
@@ -837,14 +826,13 @@ class _Frame:
         if isinstance(owner, _Super):
             return self.super_attribute(owner, name)
         if isinstance(owner, Module):
-            return self.ref_value(source.attribute_of(owner, name, owner.name))
+            return self.reader.value_of(source.attribute_of(owner, name, owner.name))
         if isinstance(owner, _Callable) and isinstance(owner.target, Definition) and owner.target.is_class:
-            return self.ref_value(source.class_attribute(owner.target, name))
+            return self.reader.value_of(source.class_attribute(owner.target, name))
         if owner is UNKNOWN or isinstance(owner, _Callable | _Bound | _Exception | Live):
             return UNKNOWN
         if inspect.ismodule(owner):
-            value = getattr(owner, name, UNKNOWN)
-            return value if (_known(value) or callable(value) or inspect.ismodule(value)) else UNKNOWN
+            return _usable(getattr(owner, name, UNKNOWN))
         if inspect.isclass(owner) and name == "__name__":
             return owner.__name__
         if _is_plain_data(owner) and name in _PURE_METHODS.get(type(owner), ()):
@@ -892,8 +880,7 @@ class _Frame:
         if isinstance(callee, _PureMethod):
             return callee(args, kwargs)
         if isinstance(callee, _Opaque):
-            callee.instance.attributes.clear()
-            callee.instance.attributes["__havoc__"] = True
+            callee.instance.forget()
             return None
         if isinstance(callee, _Bound) and callee.function.node.name == "__init__":
             stops = self.reader.stops
@@ -906,7 +893,7 @@ class _Frame:
             self.havoc_call(expr, followed=self.reader.stops == stops)
             return result
         if callable(callee) and not isinstance(callee, _Super | Instance):
-            result = self.reader.call_live(callee, args, kwargs, self.depth + 1)
+            result = self.reader.call_live(callee, args, kwargs)
             if callee not in _PURE_BUILTINS and callee not in _PURE_FUNCTIONS:
                 self.havoc_call(expr)
             return result
@@ -1179,4 +1166,4 @@ def _holds_target(node: Any) -> bool:
     return False
 
 
-__all__ = ["NOT_BOUND", "UNKNOWN", "Raised", "config_arguments", "constructed", "method_rejection", "rejection"]
+__all__ = ["NOT_BOUND", "UNKNOWN", "Raised", "config_arguments", "construct", "method_rejection", "rejection"]

@@ -70,9 +70,9 @@ def _check_arguments(path: str, node: DictConfig, passed: dict[str, Any] | None 
             if optional and name not in arguments:
                 arguments[name] = UNKNOWN
     arguments.update(passed or {})
-    error = argument_checks.rejection(target.definition, arguments)
+    error, instance = argument_checks.construct(target.definition, arguments)
     _raise(error, path, node, target)
-    return argument_checks.constructed(target.definition, arguments) if path == "model" else UNKNOWN
+    return instance
 
 
 def _raise(error: ConfigError | Raised | None, path: str, node: DictConfig, target: Any) -> None:

@@ -65,6 +65,7 @@ def print_help(argv: list[str], config_name: str) -> None:
     from pathlib import Path
 
     from hydra import compose, initialize_config_module
+    from hydra._internal.hydra import Hydra
     from hydra._internal.utils import get_args_parser
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
@@ -79,18 +80,11 @@ def print_help(argv: list[str], config_name: str) -> None:
         fields = {
             "APP_CONFIG_GROUPS": lambda: config_groups(),
             "HYDRA_CONFIG_GROUPS": lambda: config_groups(hydra_groups=True),
-            "FLAGS_HELP": lambda: _flags_help(get_args_parser()),
+            "FLAGS_HELP": lambda: Hydra.format_args_help(get_args_parser()),
             "CONFIG": lambda: _without_hydra(cfg, open_dict, resolve="--resolve" in argv),
         }
         values = {name: make() for name, make in fields.items() if f"${name}" in template or f"${{{name}}}" in template}
     print(string.Template(template).safe_substitute(values))
-
-
-def _flags_help(parser: Any) -> str:
-    """Hydra's ``$FLAGS_HELP`` (``Hydra.format_args_help``)."""
-    lines = [f"{','.join(a.option_strings)} : {a.help}" for a in parser._actions if a.option_strings]
-    positional = next(a for a in parser._actions if not a.option_strings)
-    return "\n".join(lines) + "\nOverrides : " + positional.help
 
 
 def _without_hydra(cfg: Any, open_dict: Any, resolve: bool) -> str:

@@ -597,10 +597,8 @@ def initializers(target: Any) -> list[tuple[Any, Function]] | None:
     """``(class, __init__)`` for each class in ``target``'s order that defines ``__init__`` (what
     `multiloss.config.validate` reads of an imported class) as far as the first that takes no ``**kwargs``, or
     ``[(None, function)]`` for a function; None if the source does not tell."""
-    if isinstance(target, Definition) and not target.is_class:
-        function = function_of(target)
-        return None if function is None else [(None, function)]
-    if isinstance(target, Live) and not inspect.isclass(target.value):
+    is_function = not target.is_class if isinstance(target, Definition) else not inspect.isclass(target.value)
+    if is_function:
         function = function_of(target)
         return None if function is None else [(None, function)]
     cls = target.value if isinstance(target, Live) else target
