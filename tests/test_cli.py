@@ -170,3 +170,28 @@ def test_other_warnings_still_show():
         silence_known_noise()
         warnings.warn("'set_vital' is deprecated, please do not call", UserWarning, stacklevel=1)
     assert not caught
+
+
+def test_the_printed_resume_line_resumes_as_printed(tmp_path):
+    """The last line of a run is a command: pasted into a shell as it is, it continues that run (its recipe, seed
+    and every other override from the checkpoint), and with a longer budget on top it trains on."""
+    import os
+    import subprocess
+    import sys
+
+    first = run_cli("recipe=gan", "seed=1", "trainer.max_steps=4", *QUICK_CLI, f"hydra.run.dir={tmp_path / 'gan'}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    line = first.stdout.split("; train on: ")[1].strip()
+    ckpt = tmp_path / "gan/checkpoints/last.ckpt"
+    # Twice the budget: the same one would be refused (nothing to train).
+    assert line == f"python {Path(__file__).parents[1] / 'train.py'} ckpt_path={ckpt} trainer.max_steps=8 trainer.max_epochs=40"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
+    again = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = "multiloss: continuing with the checkpoint's run's overrides (yours win): "
+    carried = again.stdout.split(said)[1].splitlines()[0].split()
+    assert {"recipe=gan", "seed=1"} <= set(carried) and not any("max_steps" in o for o in carried), carried
+    out = Path(again.stdout.split("multiloss: outputs in ")[1].split(";")[0])
+    assert out.parent.parent == tmp_path / "outputs"  # a run dir of its own, beside the first
+    steps = [torch.load(d / "checkpoints/last.ckpt", weights_only=True)["global_step"] for d in (ckpt.parents[1], out)]
+    assert steps[0] >= 4 and steps[1] >= 8, steps  # a GAN batch's steps: both networks', n_critic + 1

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,16 +242,14 @@ def test_sigterm_from_the_command_line_exits_143_with_the_line_that_continues(tm
     assert len(message) == 1
     assert "SIGTERM at global step 5" in message[0]
     resume = message[0].split("continue with: ")[1]
-    assert resume == f"\"ckpt_path='{run}/checkpoints/last.ckpt'\""
-    # Pasted back after the same command, it continues the run to its end.
-    import shlex
-
-    done = run_cli(
-        *RECIPES["multihead"],
-        "trainer.max_steps=9",
-        "print_config=false",
-        f"hydra.run.dir='{run}'",
-        *shlex.split(resume),
+    assert resume == f"python {ROOT / 'train.py'} \"ckpt_path='{run}/checkpoints/last.ckpt'\""
+    # Pasted into a shell as it is (the signal's step moved past the run's end), it continues the run to its end:
+    # the recipe and the budget come from the checkpoint.
+    done = subprocess.run(
+        ["bash", "-c", f"{resume} +callbacks.signal.step=100 hydra.run.dir='{run}'"],
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert _global_step(run) == 9
@@ -312,4 +311,4 @@ def test_ctrl_c_from_the_command_line_exits_130_with_the_line_that_continues(tmp
     )
     assert proc.returncode == 130, proc.stderr[-3000:]
     (message,) = [line for line in proc.stderr.splitlines() if line.startswith("multiloss:")]
-    assert "SIGINT at global step 5" in message and f"continue with: ckpt_path={run}/checkpoints/last.ckpt" in message
+    assert "SIGINT at global step 5" in message and f"continue with: python {ROOT / 'train.py'} ckpt_path={run}/checkpoints/last.ckpt" in message

@@ -23,7 +23,17 @@ CONFIGS = "pkg://multiloss.configs"
 def train_main() -> None:
     """``multiloss-train [overrides]``: what ``python train.py`` does."""
     _refuse_a_file_as_run_dir(sys.argv[1:])
+    _continue_with_the_runs_overrides()
     _run_hydra("train", train_task)
+
+
+def _continue_with_the_runs_overrides() -> None:
+    """``ckpt_path=<a run's checkpoint>``: that run's overrides first (`multiloss.run_dir.run_overrides`), said."""
+    from multiloss.run_dir import run_overrides
+
+    sys.argv[1:], carried = run_overrides(sys.argv[1:])
+    if carried:
+        print(f"multiloss: continuing with the checkpoint's run's overrides (yours win): {' '.join(carried)}")
 
 
 def _refuse_a_file_as_run_dir(args: list[str]) -> None:
@@ -43,9 +53,9 @@ def eval_main() -> None:
     ``.hydra/overrides.yaml``) come first, so ``recipe=``, ``net=``, ``data=`` need not be repeated;
     what the command line gives wins.
     """
-    from multiloss.evaluation import with_training_overrides
+    from multiloss.run_dir import run_overrides
 
-    sys.argv = [sys.argv[0], *with_training_overrides(sys.argv[1:])]
+    sys.argv[1:], _ = run_overrides(sys.argv[1:])
     _run_hydra("eval", eval_task)
 
 
@@ -278,14 +288,14 @@ def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
 
 
 def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
-    from multiloss.run_dir import resume_argument
+    from multiloss.run_dir import resume_command
     from multiloss.saved_state import checkpoint_exists
 
     if checkpoint is None or not checkpoint_exists(checkpoint):
         return ""
     if os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"):
         return ""  # the requeued or restarted job finds it by itself
-    return f"; continue with: {resume_argument(checkpoint)}"
+    return f"; continue with: {resume_command(checkpoint)}"
 
 
 def _remove_if_empty(cfg: DictConfig) -> None:
@@ -327,9 +337,21 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     if metrics:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
-    from multiloss.run_dir import resume_argument
+    from multiloss.run_dir import resume_command
     from multiloss.saved_state import checkpoint_exists
 
     last = out / "checkpoints" / "last.ckpt"
-    resume = f"; resume: {resume_argument(last)}" if checkpoint_exists(last) else ""
+    resume = f"; train on: {resume_command(last, *_twice_the_budget(cfg))}" if checkpoint_exists(last) else ""
     console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True)
+
+
+def _twice_the_budget(cfg: DictConfig) -> list[str]:
+    """A finished run continues only with a longer budget (the same one is refused: nothing to train): twice its
+    bounds, so that the printed line trains on as it is, whichever bound ended the run."""
+    trainer = cfg.get("trainer", {})
+    more = []
+    if isinstance(steps := trainer.get("max_steps"), int) and steps > 0:
+        more.append(f"trainer.max_steps={2 * steps}")
+    if isinstance(epochs := trainer.get("max_epochs"), int) and epochs > 0:
+        more.append(f"trainer.max_epochs={2 * epochs}")
+    return more

@@ -11,7 +11,6 @@ import logging
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
@@ -19,66 +18,15 @@ from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.config import ConfigError, check_config, require
-from multiloss.saved_state import CONFIG_DIRS_KEY, OVERRIDES_KEY, SPLIT_KEY, is_sharded_checkpoint
+from multiloss.run_dir import run_overrides, stored_entries
+from multiloss.saved_state import SPLIT_KEY, is_sharded_checkpoint
 
 log = logging.getLogger("multiloss")
-# Overrides of the training run that never carry over to an evaluation of its checkpoint.
-_NOT_CARRIED = ("ckpt_path", "overwrite", "hydra", "optimized_metric")
 
 
 def with_training_overrides(args: Sequence[str]) -> list[str]:
-    """``args`` (a command line's overrides) preceded by the training run's, for the keys ``args`` leaves unset.
-
-    The training overrides come from the checkpoint named by ``ckpt_path=`` (or its run dir's
-    ``.hydra/overrides.yaml``). Nothing is added when there is no such file: `evaluate` then names
-    the problem with the key.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    given = [a for a in args if not a.startswith("-")]
-    try:
-        keys = {o.key_or_group.lstrip("+~") for o in parser.parse_overrides(given)}
-    except Exception:  # Hydra reports a malformed override itself, with its own message
-        return list(args)
-    ckpt = next((o.split("=", 1)[1] for o in given if o.startswith("ckpt_path=")), None)
-    if not ckpt:
-        return list(args)
-    stored = _stored(ckpt)  # one read of the checkpoint for both of its entries
-    training = [
-        o
-        for o in parser.parse_overrides(_training_overrides(Path(ckpt), stored.get(OVERRIDES_KEY)))
-        if o.key_or_group.lstrip("+~") not in keys and o.key_or_group.split(".")[0].split("/")[0] not in _NOT_CARRIED
-    ]
-    carried = [o.input_line for o in training if o.input_line]
-    # The training run's own option dirs, unless this command line names its own.
-    dirs = stored.get(CONFIG_DIRS_KEY)
-    if dirs and not any(a.startswith(("--config-dir", "-cd", "hydra.searchpath")) for a in args):
-        carried.insert(0, f"hydra.searchpath=[{','.join(map(str, dirs))}]")
-    return carried + list(args)
-
-
-def _stored(ckpt: Path | str) -> dict[str, Any]:
-    """The checkpoint's top-level entries (memory-mapped), or none if it cannot be read."""
-    import torch
-
-    from multiloss.checkpoints import META
-
-    if is_sharded_checkpoint(ckpt):  # a sharded checkpoint keeps its entries in meta.pt
-        ckpt = Path(ckpt) / META
-    try:
-        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # not a readable checkpoint: `verify_checkpoint` says so, naming ckpt_path
-        return {}
-    return checkpoint if isinstance(checkpoint, dict) else {}
-
-
-def _training_overrides(ckpt: Path, stored: object) -> list[str]:
-    if stored is None and (beside := ckpt.parent.parent / ".hydra" / "overrides.yaml").is_file():
-        from omegaconf import OmegaConf
-
-        stored = OmegaConf.to_container(OmegaConf.load(beside))
-    return [str(o) for o in stored or []]
+    """``args`` preceded by the training run's overrides for the keys ``args`` leaves unset (`run_overrides`)."""
+    return run_overrides(args)[0]
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -121,7 +69,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 def _check_split(cfg: DictConfig) -> None:
     """A validation or test example the checkpoint was trained on would flatter it: refuse another split."""
-    trained = _stored(cfg.ckpt_path).get(SPLIT_KEY)
+    trained = stored_entries(cfg.ckpt_path).get(SPLIT_KEY)
     if not isinstance(trained, dict):
         return
     for key, value in trained.items():

@@ -14,11 +14,12 @@ import contextlib
 import os
 import shlex
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from multiloss.config.errors import ConfigError
-from multiloss.saved_state import checkpoint_exists, is_sharded_checkpoint
+from multiloss.saved_state import CONFIG_DIRS_KEY, OVERRIDES_KEY, checkpoint_exists, is_sharded_checkpoint
 
 LOCK = ".multiloss.lock"
 # Set by SLURM in a requeued job and by torchrun in a restarted worker: the same run, again.
@@ -93,6 +94,16 @@ def resume_argument(checkpoint: Path | str) -> str:
     if all(c.isalnum() or c in "/._-+" for c in text):
         return f"ckpt_path={text}"
     return f"\"ckpt_path='{text}'\""
+
+
+def resume_command(checkpoint: Path | str, *more: str) -> str:
+    """The command that continues the run from ``checkpoint``: this program with ``ckpt_path=`` (and ``more``),
+    the run's other overrides coming from the checkpoint (`run_overrides`)."""
+    import sys
+
+    program = sys.argv[0] if sys.argv and sys.argv[0] else "train.py"
+    command = f"python {shlex.quote(program)}" if program.endswith(".py") else Path(program).name
+    return " ".join([command, resume_argument(checkpoint), *more])
 
 
 def _alive(pid: int) -> bool:
@@ -175,3 +186,70 @@ def release_lock(path: Path | None) -> None:
     """Remove a lock `acquire_lock` made (only this process's: a lock another run took over stays)."""
     if path is not None and path.exists() and path.read_text().split()[-1:] == [str(os.getpid())]:
         path.unlink(missing_ok=True)
+
+
+# Overrides of a run that never carry over to a command given its checkpoint: its own checkpoint, its dir.
+_NOT_CARRIED = ("ckpt_path", "overwrite", "hydra", "optimized_metric")
+
+
+def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``args`` (a command line's overrides) preceded by the overrides of the run whose checkpoint ``ckpt_path=``
+    names, for the keys ``args`` leaves unset; and those carried, to say which.
+
+    The run's overrides are the ones its checkpoint stores (or its run dir's ``.hydra/overrides.yaml``), its
+    ``--config-dir`` too; ``ckpt_path=last`` is ``<hydra.run.dir>/checkpoints/last.ckpt``. Nothing is added when
+    there is no such checkpoint: the command then names the problem with the key. What the command line gives wins.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    given = [a for a in args if not a.startswith("-")]
+    try:
+        parsed = parser.parse_overrides(given)
+    except Exception:  # Hydra reports a malformed override itself, with its own message
+        return list(args), []
+    keys = {o.key_or_group.lstrip("+~") for o in parsed}
+    values = {o.key_or_group.lstrip("+~"): o.value() for o in parsed}
+    ckpt = values.get("ckpt_path")
+    if not isinstance(ckpt, str) or not ckpt:
+        return list(args), []
+    if ckpt == "last" and isinstance(run_dir := values.get("hydra.run.dir"), str):
+        ckpt = str(Path(run_dir) / "checkpoints" / "last.ckpt")
+    stored = stored_entries(ckpt)  # one read of the checkpoint for both of its entries
+    training = [
+        o
+        for o in parser.parse_overrides(_overrides_of(Path(ckpt), stored.get(OVERRIDES_KEY)))
+        if o.key_or_group.lstrip("+~") not in keys and o.key_or_group.split(".")[0].split("/")[0] not in _NOT_CARRIED
+    ]
+    carried = [o.input_line for o in training if o.input_line]
+    # The run's own option dirs, unless this command line names its own.
+    dirs = stored.get(CONFIG_DIRS_KEY)
+    searchpath = []
+    if dirs and not any(a.startswith(("--config-dir", "-cd", "hydra.searchpath")) for a in args):
+        searchpath = [f"hydra.searchpath=[{','.join(map(str, dirs))}]"]
+    return searchpath + carried + list(args), carried
+
+
+def stored_entries(ckpt: Path | str) -> dict[str, Any]:
+    """The checkpoint's top-level entries (memory-mapped), or none if it cannot be read."""
+    import torch
+
+    from multiloss.checkpoints import META
+
+    if not checkpoint_exists(ckpt):
+        return {}
+    if is_sharded_checkpoint(ckpt):  # a sharded checkpoint keeps its entries in meta.pt
+        ckpt = Path(ckpt) / META
+    try:
+        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a readable checkpoint: `verify_checkpoint` says so, naming ckpt_path
+        return {}
+    return checkpoint if isinstance(checkpoint, dict) else {}
+
+
+def _overrides_of(ckpt: Path, stored: object) -> list[str]:
+    if stored is None and (beside := ckpt.parent.parent / ".hydra" / "overrides.yaml").is_file():
+        from omegaconf import OmegaConf
+
+        stored = OmegaConf.to_container(OmegaConf.load(beside))
+    return [str(o) for o in stored or []]
