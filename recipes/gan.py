@@ -395,7 +395,9 @@ class GAN(Recipe):
             self.augment.set_sample_shape(self.sample_shape)
         if self.metrics_spec is not None and self._quality is None:
             try:
-                quality = SampleQuality(self.sample_shape, **self.metrics_spec).to(real.device)
+                # KID's subsets drawn from the run's seed unless model.metrics.seed says otherwise.
+                spec = {"seed": self.noise_seed, **self.metrics_spec}
+                quality = SampleQuality(self.sample_shape, **spec).to(real.device)
                 object.__setattr__(self, "_quality", quality)  # not a submodule (see __init__)
             except ConfigError as err:
                 raise err.under("model") from None

@@ -95,7 +95,7 @@ class _InceptionOnImages(nn.Module):
         return self.inception((_to_images(x) * 255).byte())
 
 
-OPTIONS = ("feature", "kid_subset_size", "kid_subsets", "nearest_k", "stacked_modes")  # model.metrics'
+OPTIONS = ("feature", "kid_subset_size", "kid_subsets", "nearest_k", "stacked_modes", "seed")  # model.metrics'
 
 
 def check_options(options: dict | None) -> None:
@@ -123,6 +123,7 @@ class SampleQuality(nn.Module):
         kid_subsets: int = 10,
         nearest_k: int = 5,
         stacked_modes: bool | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         require(feature in FEATURES, "metrics.feature", feature, ", ".join(FEATURES))
@@ -151,7 +152,7 @@ class SampleQuality(nn.Module):
                 ) from None
             extractor = _InceptionOnImages(inception)
         self.feature, self.version = feature, VERSION if feature == "digits" else None
-        self.kid_subset_size, self.kid_subsets = kid_subset_size, kid_subsets
+        self.kid_subset_size, self.kid_subsets, self.seed = kid_subset_size, kid_subsets, seed
         self.fid = FrechetInceptionDistance(feature=extractor)
         self.kid = KernelInceptionDistance(feature=extractor, subsets=kid_subsets, subset_size=kid_subset_size)
         self.prdc = PRDC(extractor, nearest_k)
@@ -169,7 +170,11 @@ class SampleQuality(nn.Module):
         n = min(int(self.fid.real_features_num_samples), int(self.fid.fake_features_num_samples))
         self.kid.subset_size = max(2, min(self.kid_subset_size, n))
         scores = {"fid": self.fid.compute()}
-        scores["kid"], scores["kid_std"] = self.kid.compute()
+        # KID's subsets are drawn from torch's global stream: drawn from `seed` instead, the same checkpoint and data
+        # score the same at a run's validation and in multiloss-eval (on every rank), and training's stream is kept.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            scores["kid"], scores["kid_std"] = self.kid.compute()
         scores.update(self.prdc.compute())
         if self.modes is not None:
             scores.update(self.modes.compute())
