@@ -184,7 +184,10 @@ def test_the_printed_resume_line_resumes_as_printed(tmp_path):
     line = first.stdout.split("; train on: ")[1].strip()
     ckpt = tmp_path / "gan/checkpoints/last.ckpt"
     # Twice the budget: the same one would be refused (nothing to train).
-    assert line == f"python {Path(__file__).parents[1] / 'train.py'} ckpt_path={ckpt} trainer.max_steps=8 trainer.max_epochs=40"
+    assert (
+        line
+        == f"python {Path(__file__).parents[1] / 'train.py'} ckpt_path={ckpt} trainer.max_steps=8 trainer.max_epochs=40"
+    )
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
     again = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]

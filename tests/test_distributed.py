@@ -616,3 +616,26 @@ def test_a_config_error_every_rank_meets_is_printed_once(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("multiloss: config error")]
     assert len(errors) == 1 and "model.generator" in errors[0], proc.stderr[-3000:]
     assert not out.exists()
+
+
+def test_nodes_that_never_start_are_named_within_seconds_and_the_wait_ends_in_one_message(tmp_path):
+    """``trainer.num_nodes=2`` on one machine: 2 of 4 ranks ever join. Within seconds rank 0's node says who is
+    missing, where they must connect and how nodes start; at ``rendezvous_timeout`` every rank stops, one message
+    (not 30 minutes of silence and a DistStoreError traceback at the collective timeout)."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    proc = run_cli(
+        *QUIET_RUN, *DDP, "trainer.num_nodes=2", "rendezvous_timeout=8", f"hydra.run.dir={out}", cwd=tmp_path
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("multiloss:")]
+    assert len(said) == 2, proc.stderr[-3000:]
+    waiting, stopped = said
+    port = stopped.split("joined at 127.0.0.1:")[1].split()[0]
+    assert waiting.startswith("multiloss: waiting for the other ranks: 2 of 4 (trainer.num_nodes=2 × 2 processes)")
+    assert f"MASTER_PORT={port}" in waiting and "srun" in waiting and "torchrun --nnodes" in waiting
+    assert stopped.startswith("multiloss: run stopped: 2 of 4 ranks") and "in 8 s (rendezvous_timeout)" in stopped
+    assert "Traceback" not in proc.stderr and "DistStoreError" not in proc.stderr
+    assert took < 30, took
+    assert not out.exists()  # stopped before the run wrote anything

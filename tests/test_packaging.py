@@ -182,3 +182,19 @@ def test_the_install_is_what_the_suite_passed_with():
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     differ = {name: (pin, installed.get(name)) for name, pin in pins.items() if installed.get(name) != pin}
     assert not differ, f"pinned vs installed: {differ}"
+
+
+def test_every_directory_that_ships_is_a_listed_package():
+    """setuptools ships a data dir not listed in ``packages`` with ~120 lines of warnings at every install (and may
+    stop shipping it): each dir of the package, of the configs and of the recipes is listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"multiloss": ROOT / "src/multiloss", "multiloss.configs": CONFIG_DIR, "multiloss.recipes": ROOT / "recipes"}
+    found = set()
+    for name, root in roots.items():
+        for path in [root, *root.rglob("*")]:
+            shipped = [p for p in path.glob("*") if p.is_file() and p.suffix in (".py", ".yaml", ".pt")]
+            if path.is_dir() and path.name != "__pycache__" and path.name != "local" and shipped:
+                found.add(".".join([name, *path.relative_to(root).parts]))
+    assert found - listed == set(), "pyproject's [tool.setuptools] packages lacks these"

@@ -311,4 +311,7 @@ def test_ctrl_c_from_the_command_line_exits_130_with_the_line_that_continues(tmp
     )
     assert proc.returncode == 130, proc.stderr[-3000:]
     (message,) = [line for line in proc.stderr.splitlines() if line.startswith("multiloss:")]
-    assert "SIGINT at global step 5" in message and f"continue with: python {ROOT / 'train.py'} ckpt_path={run}/checkpoints/last.ckpt" in message
+    assert (
+        "SIGINT at global step 5" in message
+        and f"continue with: python {ROOT / 'train.py'} ckpt_path={run}/checkpoints/last.ckpt" in message
+    )

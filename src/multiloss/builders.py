@@ -48,6 +48,8 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
     strategy_node = cfg.trainer.get("strategy")
     if not (isinstance(strategy_node, DictConfig) and "timeout" in strategy_node):  # a strategy's own timeout wins
         internals.set_process_group_timeout(trainer.strategy, timedelta(seconds=cfg.get("collective_timeout", 1800)))
+    if hasattr(trainer.strategy, "rendezvous_timeout"):  # multiloss's strategies: the ranks meet before the group
+        trainer.strategy.rendezvous_timeout = float(cfg.get("rendezvous_timeout", 300))
     internals.resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
     return trainer
 

@@ -243,6 +243,10 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
     except CollectiveStalled as err:
+        from multiloss.rendezvous import RendezvousIncomplete
+
+        if isinstance(err, RendezvousIncomplete):  # stopped before the run wrote anything
+            _remove_if_empty(cfg)
         _fail("run stopped", str(err), 1, quiet=err.reported_elsewhere)
     except RunPreempted as err:
         _print_error("run stopped", f"{err}{_resume_hint(err.checkpoint, cfg)}", rank_zero=True)

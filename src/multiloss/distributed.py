@@ -36,8 +36,8 @@ from multiloss import lightning_internals as internals
 from multiloss.child_command import job_command
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
+from multiloss.rendezvous import start_process_group
 from multiloss.stalls import is_stall, note_stall
-from multiloss.torchrun import join_this_torchrun_attempt
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
 
@@ -119,6 +119,8 @@ class HydraJobStrategy:
     `multiloss.parallelism.strategy_of`), a failure noted for the launcher, the child ranks waited for at teardown."""
 
     launcher: Any
+    # Seconds the ranks wait for each other before the process group is made (`multiloss.rendezvous`).
+    rendezvous_timeout: float = 300.0
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # type: ignore[misc]
@@ -137,7 +139,7 @@ class DDPStrategy(HydraJobStrategy, LightningDDPStrategy):
     strategy_name = "multiloss_ddp"
 
     def setup_distributed(self) -> None:
-        join_this_torchrun_attempt(self)
+        start_process_group(self)
         super().setup_distributed()
 
     def configure_ddp(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
@@ -19,7 +18,7 @@ from omegaconf import DictConfig
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.config import ConfigError, check_config, require
 from multiloss.run_dir import run_overrides, stored_entries
-from multiloss.saved_state import SPLIT_KEY, is_sharded_checkpoint
+from multiloss.saved_state import SPLIT_KEY
 
 log = logging.getLogger("multiloss")
 

@@ -18,8 +18,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from multiloss import lightning_internals as internals
 from multiloss.distributed import HydraJobStrategy
+from multiloss.rendezvous import start_process_group
 from multiloss.sharding import HELD_WHOLE
-from multiloss.torchrun import join_this_torchrun_attempt
 
 
 class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
@@ -36,8 +36,9 @@ class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
         # Lightning's ModelParallelStrategy starts no launcher in ranks > 0, so only rank 0 got its share of the
         # cores (rank 1 ran on all of them: oversubscribed, and its matmuls summed in another order than DDP's).
         internals.set_threads_per_rank(self.num_processes)
-        # ModelParallelStrategy starts its process group here (its _setup_distributed), not in setup_distributed.
-        join_this_torchrun_attempt(self)
+        # ModelParallelStrategy starts its process group here (its _setup_distributed), not in setup_distributed:
+        # ours first, its ranks met with a bounded wait (multiloss.rendezvous).
+        start_process_group(self)
         internals.use_data_parallel_world(self)  # data_parallel_size: all ranks (Lightning's "auto": the nodes)
         super().setup_environment()
 

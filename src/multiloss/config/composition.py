@@ -144,7 +144,8 @@ def _judged_as_added(override: str, argv: list[str], config_name: str) -> Config
             del cfg.hydra
         check_config(cfg, early=True)
     except ConfigError as err:
-        return err if err.key == key else None
+        # model.net.x of an option file that landed at the top level (its package line not first): say that.
+        return err if err.key in (key, key.split(".")[1] if key.startswith("model.") else None) else None
     except (HydraException, OmegaConfBaseException, ValueError):
         return None
     return ConfigError(

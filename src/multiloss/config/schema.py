@@ -27,6 +27,7 @@ class TrainSchema:
     overwrite: bool = False
     nonfinite: str = "stop"
     collective_timeout: float = 1800.0
+    rendezvous_timeout: float = 300.0
     # A sweeper's objective (hparams_search): the final metric a run returns, as a float.
     optimized_metric: str | None = None
     data: Any = MISSING

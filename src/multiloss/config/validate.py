@@ -61,13 +61,17 @@ def check_config(cfg: DictConfig, early: bool = False) -> None:
         cfg.get("nonfinite"),
         "stop (end the run, naming the component and the step), skip (drop such steps) or off",
     )
-    timeout = cfg.get("collective_timeout", 1800)
-    require(
-        isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0,
-        "collective_timeout",
-        timeout,
-        "a number of seconds > 0 (how long a rank waits in a collective for the others)",
-    )
+    for key, default, what in (
+        ("collective_timeout", 1800, "how long a rank waits in a collective for the others"),
+        ("rendezvous_timeout", 300, "how long the ranks wait for each other before the process group is made"),
+    ):
+        timeout = cfg.get(key, default)
+        require(
+            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0,
+            key,
+            timeout,
+            f"a number of seconds > 0 ({what})",
+        )
     seed = cfg.get("seed", 0)
     require(
         isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32,
