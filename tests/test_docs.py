@@ -59,7 +59,7 @@ def project(tmp_path_factory) -> Path:
     """A user's project dir: ``train.py`` and every file a block names, written from the blocks."""
     root = tmp_path_factory.mktemp("project")
     shutil.copy(ROOT / "train.py", root / "train.py")
-    for where, language, body in ALL:
+    for _, language, body in ALL:
         if language in ("python", "yaml") and (name := named_file(body)):
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             (root / name).write_text(body)

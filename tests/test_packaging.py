@@ -190,7 +190,8 @@ def test_every_directory_that_ships_is_a_listed_package():
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    roots = {"multiloss": ROOT / "src/multiloss", "multiloss.configs": CONFIG_DIR, "multiloss.recipes": ROOT / "recipes"}
+    roots = {"multiloss": ROOT / "src/multiloss", "multiloss.configs": CONFIG_DIR}
+    roots["multiloss.recipes"] = ROOT / "recipes"
     found = set()
     for name, root in roots.items():
         for path in [root, *root.rglob("*")]:
