@@ -278,3 +278,19 @@ class SignalInValidation(L.Callback):
 
             self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SlowSetup(L.Callback):
+    """Sleeps ``seconds`` in Lightning's ``setup`` (having touched ``marker``): a run held in its set-up, the run
+    dir's lock already taken."""
+
+    def __init__(self, seconds: float = 60, marker: str | None = None) -> None:
+        self.seconds, self.marker = seconds, marker
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import time
+        from pathlib import Path
+
+        if self.marker:  # a file that says the run is in its set-up now
+            Path(self.marker).touch()
+        time.sleep(self.seconds)

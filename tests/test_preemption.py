@@ -315,3 +315,30 @@ def test_ctrl_c_from_the_command_line_exits_130_with_the_line_that_continues(tmp
         "SIGINT at global step 5" in message
         and f"continue with: python {ROOT / 'train.py'} ckpt_path={run}/checkpoints/last.ckpt" in message
     )
+
+
+def test_sigterm_during_set_up_gives_the_lock_back(tmp_path):
+    """A SIGTERM while Lightning sets the run up (the lock taken first thing, no step yet, the run's own handler not
+    installed): exit 143, one line, and the run dir keeps no lock (the next run would take over a dead one's, but the
+    dir is left as found)."""
+    import time
+
+    run = tmp_path / "run"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(ROOT / "train.py"), *RECIPES["multihead"], "print_config=false"]
+    marker = tmp_path / "in_set_up"
+    slow = ["+callbacks.slow._target_=tests.helpers.SlowSetup", f"+callbacks.slow.marker={marker}"]
+    proc = subprocess.Popen(
+        [*command, *slow, f"hydra.run.dir={run}"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    assert (run / ".multiloss.lock").exists()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "multiloss: run stopped: SIGTERM before the first step: nothing to save" in stderr
+    assert not (run / ".multiloss.lock").exists()
+    assert not (run / "checkpoints").exists()

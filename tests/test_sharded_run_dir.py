@@ -84,7 +84,8 @@ def test_a_sharded_resume_applies_and_refuses_what_a_file_resume_does(tmp_path):
     proc = _ok(
         out, *FSDP, "model.optimizer.lr=0.006", "trainer.max_steps=6", "ckpt_path=last", "model.fsdp.checkpoint=Linear"
     )
-    assert "resuming with model.optimizer.lr=0.006 (the checkpoint's 0.003)" in proc.stdout + proc.stderr
+    said = (proc.stdout + proc.stderr).count("resuming with model.optimizer.lr=0.006 (the checkpoint's 0.003)")
+    assert said == 1, proc.stdout + proc.stderr  # once for the run, not once a rank
     assert [logged_rates(out)[step] for step in range(6)] == [(0.003,)] * 3 + [(0.006,)] * 3
 
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt"]  # nothing staged or aside left

@@ -160,8 +160,9 @@ def claimed(output_dir: str | Path, claim: bool) -> Iterator[Path | None]:
     made = not Path(output_dir).exists()  # the lock makes it (a run outside Hydra, which makes it first)
     lock = acquire_lock(output_dir) if claim else None
     try:
-        yield lock
-    except ConfigError:
+        with _sigterm_exits() if lock is not None else contextlib.nullcontext():
+            yield lock
+    except (ConfigError, StoppedBeforeTheFirstStep):
         if lock is not None:
             remove_empty_dirs(output_dir)
             release_lock(lock)
@@ -172,6 +173,34 @@ def claimed(output_dir: str | Path, claim: bool) -> Iterator[Path | None]:
         raise
     finally:
         release_lock(lock)
+
+
+class StoppedBeforeTheFirstStep(SystemExit):
+    """SIGTERM while the run was being set up: exit 143, its lock given back and its empty dirs removed."""
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM ends the process through its ``finally`` blocks (the lock given back, the run's empty dirs removed)
+    until the run's own handler takes over at its first step (`multiloss.callbacks.Preemption`, which saves); by
+    default it would end the process at once, mid-set-up, leaving the lock behind."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        sys.stderr.write("multiloss: run stopped: SIGTERM before the first step: nothing to save\n")
+        raise StoppedBeforeTheFirstStep(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def remove_empty_dirs(output_dir: str | Path) -> None:

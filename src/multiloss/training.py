@@ -59,7 +59,7 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
         changes = verify_position(
             checkpoint, checkpoint.get(BATCHES_KEY), getattr(datamodule, "batch_size", None), trainer.world_size
         )
-        for change in changes:
+        for change in changes if trainer.is_global_zero else ():  # one line a run, not one a rank
             log.info("resuming with %s", change)
     return datamodule, model, trainer
 

@@ -99,7 +99,7 @@ class ResumeRule(LeanCallback):
             for optimizer, saved in zip(trainer.optimizers, checkpoint.pop("optimizer_states")):
                 for group, decided in zip(optimizer.param_groups, saved["param_groups"]):
                     group.update({k: v for k, v in decided.items() if k != "params"})
-        for change in changes:
+        for change in changes if trainer.is_global_zero else ():  # one line a run, not one a rank
             log.info("resuming with %s", change)
 
 
