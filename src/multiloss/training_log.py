@@ -117,6 +117,7 @@ class TrainingLog:
         self.watched: set[tuple[str, ...]] = set()  # the loss groups the non-finite guard judges
         self.unjudged: list[tuple[tuple[str, ...], int]] = []  # watched rows added since the guard last looked
         self.step_index: int | None = None
+        self.epoch: int | None = None  # the epoch of the last batch written into the rows (not the next one's)
 
     def add(
         self, names: tuple[str, ...], values: Sequence[torch.Tensor] | torch.Tensor, step: int, watched: bool = True
@@ -204,7 +205,10 @@ class TrainingLog:
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in row.items()})
         step = self.step_index if self.step_index is not None else 0
         for logger in trainer.loggers:
-            logger.log_metrics({**row, "epoch": float(trainer.current_epoch)}, step=step)
+            # An integer, as Lightning's own rows write it; the rows' epoch, not the one the trainer counts after an
+            # epoch's end (a run's last rows, written at its end, were epoch max_epochs - 1's, not max_epochs').
+            epoch = self.epoch if self.epoch is not None else trainer.current_epoch
+            logger.log_metrics({**row, "epoch": epoch}, step=step)
 
 
 class TrainingLogWriter(LeanCallback):
@@ -219,6 +223,7 @@ class TrainingLogWriter(LeanCallback):
         # Lightning counts this batch's step only after the batch (and a validation it runs) is over: the
         # index holds until the next batch ends, for the checkpoint, validation or epoch end in between.
         self.training_log.step_index = internals.batches_that_stepped(trainer)
+        self.training_log.epoch = trainer.current_epoch
         # The last hook before Lightning writes a log row; a micro-batch that does not step writes none.
         if internals.writes_log_row(trainer) and internals.ends_accumulation(trainer):
             self.training_log.write_row(trainer)
