@@ -104,11 +104,13 @@ def test_the_epoch_column_is_the_rows_epoch_written_as_lightning_writes_it(make_
     """tbptt's training rows and Lightning's validation rows say epoch ``0``, not ``0.0`` beside ``0``; and the
     run's last training rows, written at its end, belong to its last epoch (1 in a 2-epoch run), not the next."""
     out = tmp_path / "tbptt"
-    small = ("data.seq_len=32", "model.net.hidden_size=32", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2")
+    small = ("data.seq_len=32", "model.net.hidden_size=32", "trainer.limit_train_batches=5")
+    small += ("trainer.limit_val_batches=2",)
     train(make_cfg("recipe=tbptt", "trainer.max_epochs=2", "trainer.log_every_n_steps=3", *small, output_dir=out))
     with next(out.rglob("metrics.csv")).open(newline="") as f:
         rows = list(csv.DictReader(f))
     epochs = [r["epoch"] for r in rows]
     assert all(e.isdigit() for e in epochs), epochs
-    assert {e for r, e in zip(rows, epochs, strict=True) if r.get("loss/ce")} == {"0", "1"}  # the last at the end: epoch 1
+    # The last training row, written at the run's end: epoch 1's.
+    assert {e for r, e in zip(rows, epochs, strict=True) if r.get("loss/ce")} == {"0", "1"}
     assert {e for r, e in zip(rows, epochs, strict=True) if r.get("val/bpc")} == {"0", "1"}
