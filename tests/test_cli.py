@@ -147,6 +147,13 @@ def test_a_sweep_runs_without_naming_its_sweep_dir(tmp_path):
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     for job in ("0", "1"):
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+    # It ends with one table across its jobs: what tells them apart, how each ended, its values, its run dir.
+    table = proc.stdout.split("multiloss: the sweep's 2 jobs\n")[1].splitlines()
+    header = table[0].split()
+    assert header[:4] == ["job", "overrides", "ended", "loss/head0"] and header[-2:] == ["run", "dir"]
+    for job, seed in (("0", 1), ("1", 2)):
+        row = next(line.split() for line in table if line.split()[:3] == [job, f"seed={seed}", "done"])
+        assert row[-1] == str(sweep / job) and float(row[3]) > 0
 
 
 def test_a_run_is_quiet_about_known_third_party_noise(tmp_path):
