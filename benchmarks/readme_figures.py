@@ -3,6 +3,8 @@
     python benchmarks/readme_figures.py              # run everything (~20 min on 2 cores), write docs/figures.json,
                                                      # and rewrite the README's marked blocks from it
     python benchmarks/readme_figures.py --render     # the README's blocks from docs/figures.json again (no runs)
+    python benchmarks/readme_figures.py --only recipes --workers 1   # re-measure one part (wall times: an idle
+                                                                    # machine, one run at a time)
 
 What runs: each recipe's default run as a user starts it (``python train.py recipe=<name>``, seed 0: its final
 values and wall time, start-up included); ``recipe=weighted balancer=<m>`` for every method at seeds 0-2 (each task's
@@ -45,6 +47,7 @@ SHOWCASE = (
 )
 SHOWCASE_CHANGED = {"lazy": "model.penalty_every=16", "gamma": "model.penalty_weight=0.1"}
 QUIET = ("print_config=false", "~callbacks.progress_bar")
+PARTS = ("recipes", "balancers", "showcase")
 
 
 def machine() -> str:
@@ -103,26 +106,28 @@ def run_balancer(balancer: str, seed: int) -> dict[str, float]:
     return {metric: metrics[metric] for _, metric, _ in TASKS}
 
 
-def measure(workers: int) -> dict:
+def measure(workers: int, parts: set[str]) -> dict:
+    """The ``parts`` (recipes, balancers, showcase) measured, ``workers`` runs at a time."""
     balancers = sorted(p.stem for p in (ROOT / "configs" / "balancer").glob("*.yaml"))
+    found: dict = {}
     with ProcessPoolExecutor(workers) as pool:
-        recipes = dict(zip(RECIPES, pool.map(run_command, [f"recipe={r}" for r in RECIPES]), strict=True))
-        showcase = pool.submit(run_command, SHOWCASE)
-        changed = {name: pool.submit(run_command, f"{SHOWCASE} {o}") for name, o in SHOWCASE_CHANGED.items()}
-        runs = {(b, s): pool.submit(run_balancer, b, s) for b in balancers for s in SEEDS}
-        per_balancer = {b: {m: [runs[b, s].result()[m] for s in SEEDS] for _, m, _ in TASKS} for b in balancers}
-        shown = showcase.result()
-        variants = {name: {"override": SHOWCASE_CHANGED[name], "values": run.result()} for name, run in changed.items()}
+        if "recipes" in parts:
+            found["recipes"] = dict(zip(RECIPES, pool.map(run_command, [f"recipe={r}" for r in RECIPES]), strict=True))
+        if "showcase" in parts:
+            showcase = pool.submit(run_command, SHOWCASE)
+            changed = {name: pool.submit(run_command, f"{SHOWCASE} {o}") for name, o in SHOWCASE_CHANGED.items()}
+        if "balancers" in parts:
+            runs = {(b, s): pool.submit(run_balancer, b, s) for b in balancers for s in SEEDS}
+            per_balancer = {b: {m: [runs[b, s].result()[m] for s in SEEDS] for _, m, _ in TASKS} for b in balancers}
+            found["balancers"] = {"seeds": list(SEEDS), "metrics": per_balancer}
+        if "showcase" in parts:
+            variants = {n: {"override": SHOWCASE_CHANGED[n], "values": run.result()} for n, run in changed.items()}
+            found["showcase"] = {"command": SHOWCASE, "values": showcase.result(), "changed": variants}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {
-        "machine": machine(),
-        "date": datetime.date.today().isoformat(),
-        "commit": commit.stdout.strip() or "unknown",
-        "threads": 1,
-        "recipes": recipes,
-        "balancers": {"seeds": list(SEEDS), "metrics": per_balancer},
-        "showcase": {"command": SHOWCASE, "values": shown, "changed": variants},
-    }
+    found.update(
+        machine=machine(), date=datetime.date.today().isoformat(), commit=commit.stdout.strip() or "unknown", threads=1
+    )
+    return found
 
 
 # --- the README's blocks -----------------------------------------------------------------------------------------
@@ -251,9 +256,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--render", action="store_true", help="only rewrite the README from docs/figures.json")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="runs at once (one thread each)")
+    parser.add_argument(
+        "--only", nargs="+", choices=PARTS, default=PARTS, help="measure these parts again, keep the others' figures"
+    )
     args = parser.parse_args()
     if not args.render:
-        figures = measure(args.workers)
+        figures = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+        figures.update(measure(args.workers, set(args.only)))
         FIGURES.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
         print(f"wrote {FIGURES.relative_to(ROOT)}")
     figures = json.loads(FIGURES.read_text())

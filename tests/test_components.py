@@ -22,7 +22,7 @@ from multiloss.recipes.weighted import WeightedMultiTask
 from torch.utils.data import DataLoader, TensorDataset
 
 from multiloss import ConfigError, testing, train
-from multiloss.nets import MLP, DeepSupervisionMLP
+from multiloss.nets import MLP, DeepSupervisionMLP, MultiTaskMLP
 from tests.conftest import SMALL_GAN
 
 SHORT = ("trainer.accelerator=cpu", "trainer.max_steps=3", "trainer.limit_val_batches=1")
@@ -193,3 +193,19 @@ def test_float64_data_trains_the_shipped_nets_in_64_true_and_is_refused_against_
     train(make_cfg(*small, "trainer.precision=64-true", output_dir=tmp_path / "f64"))
     weights = torch.load(tmp_path / "f64/checkpoints/last.ckpt", weights_only=True)["state_dict"]
     assert {w.dtype for w in weights.values()} == {torch.float64}
+
+
+def test_the_shipped_nets_return_no_view_of_their_own_outputs():
+    """Out of an FSDP2 unit a view makes torch warn that an in-place op on it could skip the unit's all-gather
+    (`trainer=fsdp_cpu balancer=upgrad model.balancer.scope=global` warned twice): the shipped nets return tensors of
+    their own (the one-output head's ``(batch,)`` included)."""
+    x = torch.rand(4, 64)
+    nets = {
+        "multi-task": MultiTaskMLP({"digit": 10, "ink": 1}),
+        "deep supervision": DeepSupervisionMLP(),
+        "mlp": MLP(64, 1),
+    }
+    for name, net in nets.items():
+        out = net(x)
+        outputs = out.values() if isinstance(out, dict) else out if isinstance(out, list) else [out]
+        assert all(t._base is None for t in outputs), name

@@ -142,7 +142,9 @@ class MultiTaskMLP(nn.Module):
         out = {}
         for name, head in self.heads.items():
             y = head(h)
-            out[name] = y.squeeze(-1) if head.out_features == 1 else y
+            # A tensor of its own, not a view of the head's: out of an FSDP2 unit a view would make torch warn that an
+            # in-place op on it could skip the unit's all-gather (none is made on it; the copy is n numbers).
+            out[name] = y.squeeze(-1).clone() if head.out_features == 1 else y
         return out
 
 
