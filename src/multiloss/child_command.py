@@ -30,6 +30,8 @@ def job_command(local_rank: int) -> tuple[Sequence[str], str]:
     for i, arg in enumerate(args):
         if arg.split("=")[0] in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"):
             command += [arg] if "=" in arg else [arg, args[i + 1]]
+    # The option dirs a resumed run took from its checkpoint (`multiloss.run_dir.run_overrides`) are a Hydra override.
+    command += [o for o in hydra_cfg.overrides.hydra if o.startswith("hydra.searchpath=")]
     command += list(hydra_cfg.overrides.task)
     command += [
         f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
