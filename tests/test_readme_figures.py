@@ -13,16 +13,19 @@ from tests.conftest import QUIET, ROOT
 spec = importlib.util.spec_from_file_location("readme_figures", ROOT / "benchmarks" / "readme_figures.py")
 figures_script = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(figures_script)
-FIGURES = json.loads((ROOT / "docs" / "figures.json").read_text())
+
+
+def figures() -> dict:
+    return json.loads((ROOT / "docs" / "figures.json").read_text())
 
 
 def test_the_readme_says_what_the_measurements_hold():
     """Each marked block of the README is rendered from docs/figures.json: an edit by hand, or numbers measured and
     not rendered, fails here (`python benchmarks/readme_figures.py --render` rewrites them)."""
-    readme = (ROOT / "README.md").read_text()
-    assert figures_script.render(readme, FIGURES) == readme
+    readme, measured = (ROOT / "README.md").read_text(), figures()
+    assert figures_script.render(readme, measured) == readme
     for key in ("machine", "date", "commit"):
-        assert FIGURES[key] and FIGURES[key] in readme, key
+        assert measured[key] and measured[key] in readme, key
 
 
 @pytest.mark.slow
@@ -32,4 +35,4 @@ def test_a_default_run_today_gives_the_readme_figure(tmp_path):
     another CPU's rounding)."""
     cfg = testing.compose("recipe=multihead", *QUIET, "trainer.accelerator=cpu", output_dir=tmp_path)
     metrics = train(cfg)
-    assert metrics["val/acc"] == pytest.approx(FIGURES["recipes"]["multihead"]["val/acc"], abs=0.01)
+    assert metrics["val/acc"] == pytest.approx(figures()["recipes"]["multihead"]["val/acc"], abs=0.01)
