@@ -245,10 +245,10 @@ BLOCKS = {"recipes": recipes_table, "balancers": balancers_block, "showcase": sh
 def render(readme: str, figures: dict) -> str:
     """``readme`` with each ``<!-- figures:NAME -->`` … ``<!-- /figures:NAME -->`` block rendered from ``figures``."""
     for name, block in BLOCKS.items():
-        pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(\n<!-- /figures:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- figures:{name} -->\n)(?:.*?\n)?(<!-- /figures:{name} -->)", re.S)
         if not pattern.search(readme):
             raise SystemExit(f"README.md has no <!-- figures:{name} --> block")
-        readme = pattern.sub(lambda m, b=block: m.group(1) + b(figures) + m.group(2), readme)
+        readme = pattern.sub(lambda m, b=block: m.group(1) + b(figures) + "\n" + m.group(2), readme)
     return readme
 
 
