@@ -45,7 +45,11 @@ SHOWCASE = (
     "'+model.augment.policy=[translation,cutout]' +model.augment.p=0 +model.augment.ada_target=0.6 "
     "+model.metrics.feature=digits trainer.max_epochs=60"
 )
-SHOWCASE_CHANGED = {"lazy": "model.penalty_every=16", "gamma": "model.penalty_weight=0.1"}
+SHOWCASE_CHANGED = {
+    "lazy": "model.penalty_every=16",
+    "gamma": "model.penalty_weight=0.1",
+    "n_critic": "model.n_critic=2",
+}
 QUIET = ("print_config=false", "~callbacks.progress_bar")
 PARTS = ("recipes", "balancers", "showcase")
 
@@ -82,12 +86,14 @@ def final_values(stdout: str) -> dict[str, float]:
     return values
 
 
-def run_command(args: str) -> dict[str, float]:
-    """``python train.py <args>`` as a user runs it, in a scratch run dir: its final values and its wall time."""
+def run_command(args: str, one_thread: bool = True) -> dict[str, float]:
+    """``python train.py <args>`` as a user runs it, in a scratch run dir: its final values and its wall time.
+    ``one_thread``: beside other runs (OMP_NUM_THREADS=1); else with torch's default threads, alone."""
     out = tempfile.mkdtemp(prefix="figures-")
     command = [sys.executable, str(ROOT / "train.py"), *shlex.split(args), *QUIET, f"hydra.run.dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if one_thread else dict(os.environ)
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=out, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(command, cwd=out, capture_output=True, text=True, env=env)
     took = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{args}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -110,9 +116,9 @@ def measure(workers: int, parts: set[str]) -> dict:
     """The ``parts`` (recipes, balancers, showcase) measured, ``workers`` runs at a time."""
     balancers = sorted(p.stem for p in (ROOT / "configs" / "balancer").glob("*.yaml"))
     found: dict = {}
+    if "recipes" in parts:  # as a user runs them: one at a time, torch's own threads (they change the rounding)
+        found["recipes"] = {r: run_command(f"recipe={r}", one_thread=False) for r in RECIPES}
     with ProcessPoolExecutor(workers) as pool:
-        if "recipes" in parts:
-            found["recipes"] = dict(zip(RECIPES, pool.map(run_command, [f"recipe={r}" for r in RECIPES]), strict=True))
         if "showcase" in parts:
             showcase = pool.submit(run_command, SHOWCASE)
             changed = {name: pool.submit(run_command, f"{SHOWCASE} {o}") for name, o in SHOWCASE_CHANGED.items()}
@@ -164,9 +170,10 @@ def recipes_table(figures: dict) -> str:
          f"val acc **{_fmt(r['accumulation']['val/acc'])}** after 30 epochs (SGD 0.1 at base 64 → 0.2 at 64×2)"),
     ]  # fmt: skip
     lines = [
-        f"The numbers are each recipe's default run (`python train.py recipe=<name>`, seed 0) on {figures['machine']}, "
-        f"one thread a process, measured on {figures['date']} at commit {figures['commit']} by "
-        "`python benchmarks/readme_figures.py`; wall times include start-up.",
+        f"The numbers are each recipe's default run (`python train.py recipe=<name>`, seed 0, torch's default "
+        f"threads) on {figures['machine']}, measured on {figures['date']} at commit {figures['commit']} by "
+        "`python benchmarks/readme_figures.py`; wall times include start-up. A run is deterministic on one machine "
+        "and thread count; another CPU or thread count rounds differently and ends elsewhere (below).",
         "",
         "| recipe | launch | what it shows | measured (default run) |",
         "|---|---|---|---|",
@@ -207,6 +214,21 @@ def balancers_block(figures: dict) -> str:
     for name in ["fixed", *(n for n in sorted(metrics) if n != "fixed")]:
         cells = [_summary(metrics[name][m], 4 if not higher else 3) for _, m, higher in TASKS]
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {'—' if name == 'fixed' else verdict(name)} |")
+    others = [n for n in sorted(metrics) if n != "fixed"]
+    better = [n for n in others if "better" in verdict(n)]
+    worse = [n for n in others if "worse" in verdict(n)]
+    same = [n for n in others if verdict(n) == "≈ `fixed`"]
+
+    def names(found: list[str]) -> str:
+        return ", ".join(f"`{n}`" for n in found) or "none"
+
+    lines += [
+        "",
+        f"Better than `fixed` on some task and worse on none: {names([n for n in better if n not in worse])}. "
+        f"Better on one task, worse on another: {names([n for n in better if n in worse])}. "
+        f"Worse on some task: {names([n for n in worse if n not in better])}. "
+        f"Within the seeds' spread of `fixed` on every task: {names(same)}.",
+    ]
     return "\n".join(lines)
 
 
@@ -230,11 +252,17 @@ def showcase_block(figures: dict) -> str:
             f"**{values['val/fid']:.1f}**, KID {values['val/kid']:.1f}, precision {values['val/precision']:.2f}, "
             f"recall **{values['val/recall']:.2f}**, density {values['val/density']:.2f}, coverage "
             f"{values['val/coverage']:.2f} (digits-features v1; lower FID and KID, higher recall and coverage are "
-            f"better; ADA's p ends at {values.get('augment/p', 0):.2f}). Two settings make it, the "
-            "critic step once a batch (`model.n_critic=1`; the default 2 lets the relativistic critic win) and R1's "
-            f"γ = 1: at `{changed['gamma']['override']}` the same run gives {quality(changed['gamma']['values'])}. "
-            f"Lazy R1 (`{changed['lazy']['override']}`, stylegan2-ada's saving for large nets) costs quality at this "
-            f"size and length: {quality(changed['lazy']['values'])}.",
+            f"better; ADA's p ends at {values.get('augment/p', 0):.2f}"
+            + (
+                ": D's sign statistic never reached its 0.6 target, so no image was augmented)"
+                if not values.get("augment/p")
+                else ")"
+            )
+            + ". The two settings it needs, each changed alone: the critic step once a batch (at "
+            f"`{changed['n_critic']['override']}`, the recipe's default: {quality(changed['n_critic']['values'])}) "
+            f"and R1's γ = 1 (at `{changed['gamma']['override']}`: {quality(changed['gamma']['values'])}). Lazy R1 "
+            f"(`{changed['lazy']['override']}`, stylegan2-ada's saving for large nets) costs quality at this size "
+            f"and length: {quality(changed['lazy']['values'])}.",
         ]
     )
 
