@@ -105,7 +105,7 @@ def gaussians(seeds: list[int], jobs: int, threads: int, names: list[str]) -> No
 
 
 def quality_of(generator: torch.nn.Module, module, real: torch.Tensor) -> dict[str, float]:
-    from multiloss.gan_metrics import SampleQuality
+    from multiloss.gan.metrics import SampleQuality
 
     quality = SampleQuality(tuple(real.shape[1:]))
     quality.update(real, real=True)

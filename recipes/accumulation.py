@@ -13,7 +13,7 @@ The usual advice that the learning rate "should be scaled up accordingly" does n
 Here the step is that loop (each micro-batch's loss divided by ``model.accumulate_grad_batches`` = k,
 a step every k micro-batches, and under DDP no gradient all-reduce on the micro-batches that do not
 step), and the LR is scaled by a stated rule from the effective batch ``data.batch_size × k ×
-world_size`` against ``model.base_batch_size`` (`multiloss.lr_scaling`).
+world_size`` against ``model.base_batch_size`` (`multiloss.base.lr_scaling`).
 `tests/recipes/test_accumulation.py` proves k micro-batches of b == one batch of k·b == the
 hand-written loop, that the LR in the optimizer is the rule's, and where the equivalence breaks.
 
@@ -31,13 +31,13 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
+from multiloss.base.lr_scaling import effective_batch_size, lr_factor
+from multiloss.base.module import Recipe
 from multiloss.batches import require_keys
 from multiloss.callbacks import JsonRecord
 from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
-from multiloss.lr_scaling import effective_batch_size, lr_factor
-from multiloss.module import Recipe
 
 
 class Accumulation(Recipe):
@@ -63,7 +63,7 @@ class Accumulation(Recipe):
     rule's factor for the effective batch ``data.batch_size × k × world_size``: ``linear`` (B/B₀, Goyal
     et al. 2017, for SGD), ``sqrt`` (√(B/B₀), for Adam-type optimizers) or ``none``; the ``scheduler``
     then starts from that rate (a warm-up warms up to it). The rate a step uses is always configured LR
-    × rule × the schedule's factor (`multiloss.learning_rate`): a resume with another batch size, k or
+    × rule × the schedule's factor (`multiloss.base.learning_rate`): a resume with another batch size, k or
     world size applies the rule for the new effective batch from the schedule's point, and says so.
     The scaled LR sits in the optimizer, so LearningRateMonitor's ``lr-<Optimizer>`` column shows it;
     the rule's inputs are logged as ``scaling/*`` and written to ``lr_scaling.json`` in the run dir.
@@ -74,7 +74,7 @@ class Accumulation(Recipe):
     draws other masks). Both stay available (``model.net.batch_norm``, ``model.net.dropout``).
 
     Raises:
-        ConfigError: ``base_batch_size`` < 1; the step options' checks (`multiloss.module.Recipe`);
+        ConfigError: ``base_batch_size`` < 1; the step options' checks (`multiloss.base.module.Recipe`);
             at setup, a net whose output ``F.cross_entropy`` cannot compare with the data's ``y``.
     """
 
@@ -85,7 +85,7 @@ class Accumulation(Recipe):
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
         count_exact: bool = False,
-        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
+        **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         super().__init__(**step_options)
         require(
@@ -127,7 +127,7 @@ class Accumulation(Recipe):
     def lr_rule(self, optimizer: Any) -> tuple[float, dict[str, Any]]:
         # Called once the trainer knows its world size and the datamodule its batch size, so the
         # effective batch is known exactly here, for one device or many. The factor multiplies each
-        # group's configured rate once, before the schedule takes it as its base (multiloss.learning_rate).
+        # group's configured rate once, before the schedule takes it as its base (multiloss.base.learning_rate).
         trainer = self.trainer
         batch_size = getattr(trainer.datamodule, "batch_size", None)
         if batch_size is None:

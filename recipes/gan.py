@@ -55,16 +55,18 @@ import lightning as L
 import torch
 from torch import nn
 
+from multiloss.base.module import Recipe
+from multiloss.base.precision import grad_scaler
 from multiloss.batches import require_keys
 from multiloss.callbacks import GeneratedSamplesPlot
 from multiloss.component_check import call_component, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
-from multiloss.distributed import synced
-from multiloss.gan_augment import build_augment
-from multiloss.gan_metrics import SampleQuality
-from multiloss.gan_metrics import check_options as check_quality_options
-from multiloss.gan_objectives import (
+from multiloss.gan.augment import build_augment
+from multiloss.gan.ema import GeneratorEMA
+from multiloss.gan.metrics import SampleQuality
+from multiloss.gan.metrics import check_options as check_quality_options
+from multiloss.gan.objectives import (
     LOSSES,
     PAIRED,
     PENALTIES,
@@ -74,12 +76,10 @@ from multiloss.gan_objectives import (
     penalty,
     squared_norm_penalty,
 )
-from multiloss.gan_objectives import generator_loss as generator_loss_of
-from multiloss.generator_ema import GeneratorEMA
+from multiloss.gan.objectives import generator_loss as generator_loss_of
 from multiloss.metrics import ModeCoverage
-from multiloss.module import Recipe
-from multiloss.precision import grad_scaler
-from multiloss.saved_state import D_STEPS_KEY, NOISE_KEY
+from multiloss.parallel.ddp import synced
+from multiloss.saving.saved_state import D_STEPS_KEY, NOISE_KEY
 
 
 def _batch_norms(module: nn.Module) -> list[str]:
@@ -145,14 +145,14 @@ class GAN(Recipe):
     per epoch; ``scheduler=constant`` keeps them). ``trainer.max_steps`` counts both optimizers' steps (not the
     lazy penalty's extra D steps).
 
-    Losses (``loss``; formulas in `multiloss.gan_objectives.discriminator_terms`): ``nonsaturating`` (on D's
+    Losses (``loss``; formulas in `multiloss.gan.objectives.discriminator_terms`): ``nonsaturating`` (on D's
     logits), ``bce`` (the same function on D's probabilities — a D that ends in a Sigmoid — as dcgan/main.py writes
     it: ``nn.BCELoss`` against labels 1 and 0, D's real and fake terms backwarded one after the other; the DCGAN
     script to the bit, where the logits form drifts from it by rounding), ``wgan-gp`` (the Wasserstein critic),
     ``hinge``, ``lsgan`` and ``relativistic`` (RpGAN: each generated sample against the real sample of its row; G's
     step scores the reals of D's matching micro-batch once more).
 
-    Penalties (``penalty``, weight ``penalty_weight``; `multiloss.gan_objectives.penalty`): ``gp``, λ·E[(‖∇D(x̂)‖ −
+    Penalties (``penalty``, weight ``penalty_weight``; `multiloss.gan.objectives.penalty`): ``gp``, λ·E[(‖∇D(x̂)‖ −
     1)²] at random interpolates x̂ (WGAN-GP); ``r1``, γ/2·E[‖∇D(x)‖²] on the data; ``r2``, the same on the generated
     samples; ``none``. ``penalty_every`` = 1 adds it to every D step's loss (R1/R2 from the scores the loss is built
     from: stylegan2-ada's ``Dboth``); N > 1 is stylegan2-ada's lazy
@@ -169,7 +169,7 @@ class GAN(Recipe):
     run keeps what model initialisation left of it, so the two would draw different noise from the
     same seed.
 
-    Generator EMA (``g_ema``, off when null; `multiloss.generator_ema`): a frozen copy of G, moved toward G after
+    Generator EMA (``g_ema``, off when null; `multiloss.gan.ema`): a frozen copy of G, moved toward G after
     each G step — ``{half_life_images: h, rampup: r}`` (stylegan2-ada: a half-life in real images shown to D, all
     ranks and micro-batches counted) or ``{decay: β, start_step: s}`` (StudioGAN) — its buffers copied from G.
     Validation, the sample plots, ``multiloss-eval`` and ``forward`` (so a ``load_from_checkpoint`` module) sample
@@ -188,7 +188,7 @@ class GAN(Recipe):
             ``penalty_every`` < 1; ``penalty`` not one of gp, r1, r2, none, or none with ``loss=wgan-gp``;
             ``penalty_weight`` ≤ 0 with a penalty; ``penalty_every`` > 1 without one; ``n_plot_samples`` < 0;
             ``g_input=same_fakes`` with ``accumulate_grad_batches`` > 1; the step options' checks
-            (`multiloss.module.Recipe`); at setup (before any step or write), a discriminator with BatchNorm and a
+            (`multiloss.base.module.Recipe`); at setup (before any step or write), a discriminator with BatchNorm and a
             penalty, a generator whose
             samples do not have the data's shape (with the shipped ``mlp``: set ``model.data_dim`` to the
             data's feature count), a discriminator that does not give one score per sample, or (``loss=bce``)
@@ -198,7 +198,7 @@ class GAN(Recipe):
 
     # Under multiloss's DDP each network gets its own wrapper, so a backward that reaches only one of
     # them (every backward here) finds exactly the parameters DDP waits for: no
-    # find_unused_parameters=True graph walk (src/multiloss/distributed.py).
+    # find_unused_parameters=True graph walk (src/multiloss/parallel/ddp.py).
     ddp_submodules = ("generator", "discriminator")
     components: ClassVar[tuple[str, ...]] = ("generator", "discriminator")
     validation_loss = None  # no single loss to watch: scheduler=plateau needs model.scheduler.monitor
@@ -225,7 +225,7 @@ class GAN(Recipe):
         augment: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
         gp_weight: float | None = None,  # before penalty/penalty_weight: read from older checkpoints' hyperparameters
-        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
+        **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         super().__init__(**step_options)
         if gp_weight is not None:  # the one-key form of older runs: gp_weight=λ was penalty=gp at λ (0: none)
@@ -305,7 +305,7 @@ class GAN(Recipe):
         self.generator_ema = GeneratorEMA.from_options(self.generator, to_plain(g_ema))
         if self.generator_ema is not None:
             self.components = (*self.components, "generator_ema")
-        self.augment = build_augment(to_plain(augment))  # what D sees in training (multiloss.gan_augment)
+        self.augment = build_augment(to_plain(augment))  # what D sees in training (multiloss.gan.augment)
         self.metrics_spec = to_plain(metrics)
         check_quality_options(self.metrics_spec)
         # Built at setup (it needs the data's sample shape), and kept out of the module tree: its feature network's
@@ -458,7 +458,7 @@ class GAN(Recipe):
     def discriminator_losses(
         self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None, *, with_penalty: bool = True
     ) -> dict[str, torch.Tensor]:
-        """D's loss ``d`` and its terms (`multiloss.gan_objectives.discriminator_terms`); pass detached fakes. The
+        """D's loss ``d`` and its terms (`multiloss.gan.objectives.discriminator_terms`); pass detached fakes. The
         penalty is a term (``gp``, ``r1`` or ``r2``, times ``penalty_weight``) when it is on, ``with_penalty`` and
         taken every step (``penalty_every`` = 1; the lazy one has its own step: `lazy_penalty_step`).
 
@@ -502,7 +502,7 @@ class GAN(Recipe):
     def penalty_value(
         self, critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None
     ) -> torch.Tensor:
-        """The penalty before its weight (`multiloss.gan_objectives.penalty`), under 16-mixed by AMP's recipe."""
+        """The penalty before its weight (`multiloss.gan.objectives.penalty`), under 16-mixed by AMP's recipe."""
         return penalty(self.penalty, critic, real, fake, eps, self.scaler())
 
     def scaler(self) -> Any:
@@ -510,7 +510,7 @@ class GAN(Recipe):
         return grad_scaler(self.trainer.precision_plugin) if self.attached_trainer is not None else None
 
     def generator_loss(self, fake: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """G's loss through D (`multiloss.gan_objectives.generator_loss`); ``real``: the samples the relativistic loss
+        """G's loss through D (`multiloss.gan.objectives.generator_loss`); ``real``: the samples the relativistic loss
         pairs with ``fake``, row by row.
 
         D is called directly, not through its DDP wrapper: its weights are frozen for this step, so
@@ -598,7 +598,7 @@ class GAN(Recipe):
         """The lazy penalty (``penalty_every`` = N > 1), stylegan2-ada's ``Dreg`` phase: after every N-th D step
         (the 0th, Nth, 2Nth… from the run's start, as its ``batch_idx % reg_interval == 0``), one more D step of
         the penalty alone, times N (its ``gain``), on the D step's own micro-batches (reals, detached fakes, ε). Not
-        counted in ``trainer.global_step`` and moving no schedule (`multiloss.step.OptimizerStep`, ``counted``)."""
+        counted in ``trainer.global_step`` and moving no schedule (`multiloss.base.step.OptimizerStep`, ``counted``)."""
         if self.penalty_every == 1 or self.d_steps % self.penalty_every:
             return
         with self.step_of(opt_d, stepping=True, components=("discriminator",), toggle=True, counted=False) as reg:

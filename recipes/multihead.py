@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from multiloss.base.multitask import MultiTaskRecipe
 from multiloss.batches import require_keys
 from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
-from multiloss.multitask import MultiTaskRecipe
 
 
 class MultiHead(MultiTaskRecipe):
@@ -70,7 +70,7 @@ class MultiHead(MultiTaskRecipe):
         optimizer: Any = None,
         head_weights: list[float] | None = None,
         balancer: Any = None,
-        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
+        **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         super().__init__(balancer=balancer, **step_options)
         net, optimizer, balancer = to_plain(net), to_plain(optimizer), to_plain(balancer)
@@ -86,7 +86,7 @@ class MultiHead(MultiTaskRecipe):
             ignore=names_given_as_objects(net=net, optimizer=optimizer, balancer=balancer), logger=False
         )
         # The balancer needs the number of heads, which only the component check (or a checkpoint)
-        # knows: built there (`multiloss.multitask.MultiTaskRecipe.set_tasks`).
+        # knows: built there (`multiloss.base.multitask.MultiTaskRecipe.set_tasks`).
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.head_weights = head_weights

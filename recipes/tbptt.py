@@ -49,15 +49,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import Perplexity
 
+from multiloss.base.module import Recipe
 from multiloss.batches import require_keys
 from multiloss.callbacks import TextSamples
 from multiloss.component_check import call_component, check_rows_independent, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
 from multiloss.data.vocabulary import Vocabulary
-from multiloss.module import Recipe
 from multiloss.nets import repackage_hidden
-from multiloss.saved_state import CARRIED_KEY, VOCABULARY_KEY
+from multiloss.saving.saved_state import CARRIED_KEY, VOCABULARY_KEY
 
 LN2 = math.log(2.0)
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: a target with this id is not scored
@@ -127,7 +127,7 @@ class TruncatedBPTT(Recipe):
         ConfigError: ``chunk_length``, ``accumulate_grad_batches`` or ``sample_length`` < 1;
             ``gradient_clip_val`` ≤ 0; ``sample_temperature`` < 0; a ``sample_prompt`` the vocabulary
             cannot encode; a net config's ``vocab_size`` other than the vocabulary's; the step options'
-            checks (`multiloss.module.Recipe`); at setup (before any step or write), a ``mask`` that is not
+            checks (`multiloss.base.module.Recipe`); at setup (before any step or write), a ``mask`` that is not
             0/1 of ``y``'s shape, a token id of the data outside the vocabulary (or token data with no
             vocabulary), a net that does not return ``(logits, hidden)``, logits whose last dim is not the
             vocabulary size, a net whose sequences mix (one row's outputs change with another row's
@@ -153,7 +153,7 @@ class TruncatedBPTT(Recipe):
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
         count_exact: bool = False,
-        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
+        **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         # An LSTM's gradient explodes now and then: clipped at 1.0 unless the config says otherwise.
         super().__init__(**{"gradient_clip_val": 1.0, **step_options})

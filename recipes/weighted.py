@@ -35,12 +35,12 @@ import lightning as L
 import torch
 from torch import nn
 
+from multiloss.base.multitask import MultiTaskRecipe
 from multiloss.batches import require_keys
 from multiloss.callbacks import LoggedCurvesPlot
 from multiloss.component_check import call_component, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, name_of, names_given_as_objects, to_plain
 from multiloss.config import ConfigError
-from multiloss.multitask import MultiTaskRecipe
 from multiloss.tasks import build_tasks, loss_modules
 
 
@@ -86,7 +86,7 @@ class WeightedMultiTask(MultiTaskRecipe):
     Raises:
         ConfigError: a task without ``loss`` or ``target``, an unknown task key, a weight negative or
             infinite, every weight 0, a metric that is not a torchmetrics Metric; the step options'
-            checks (`multiloss.module.Recipe`); at setup (before any step or write): a net that does not
+            checks (`multiloss.base.module.Recipe`); at setup (before any step or write): a net that does not
             return a dict with one output per task, a task's ``target`` not in the batch, a loss that
             fails on its output and target or does not return a scalar, a metric that fails on them.
     """
@@ -97,7 +97,7 @@ class WeightedMultiTask(MultiTaskRecipe):
         tasks: Any,
         optimizer: Any = None,
         balancer: Any = None,
-        **step_options: Any,  # the options of every recipe's step (multiloss.module.Recipe)
+        **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         super().__init__(balancer=balancer, **step_options)
         net, tasks, optimizer, balancer = to_plain(net), to_plain(tasks), to_plain(optimizer), to_plain(balancer)
@@ -108,7 +108,7 @@ class WeightedMultiTask(MultiTaskRecipe):
         self.net = build_module(net, "net")
         # The weights of the one backward (multiloss.balancers): the configured ones by default. The tasks are
         # the config's, known now: the balancer is built at once (a gradient balancer's `shared` names the net's
-        # layers), first among the modules (`multiloss.multitask`).
+        # layers), first among the modules (`multiloss.base.multitask`).
         self.set_tasks(list(self.tasks), key="balancer")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})

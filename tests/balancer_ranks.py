@@ -6,10 +6,10 @@ weight differences to a JSON file:
 - ``one``: one device on the whole batch of 32 (every rank computes it alike): the reference;
 - ``ddp``: the net replicated, each rank its half of the batch, the balancer protocol with the ranks' mean (the
   recipe's ``mean_over_ranks``), then every gradient averaged over the ranks (DDP's all-reduce);
-- ``fsdp_global``: the net sharded by FSDP2 (`multiloss.sharding.shard_components`), a gradient rule of
+- ``fsdp_global``: the net sharded by FSDP2 (`multiloss.parallel.sharding.shard_components`), a gradient rule of
   ``scope=global`` on the shards (`multiloss.balancers.sharded_rule`), a scalarization's weights through FSDP2's
   own backward;
-- ``fsdp_rank``: the net sharded but held whole for its step (`multiloss.sharding.LocalGradients`), a gradient
+- ``fsdp_rank``: the net sharded but held whole for its step (`multiloss.parallel.sharding.LocalGradients`), a gradient
   rule of ``scope=rank`` on each rank's whole gradients.
 
 The ranks' random draws (RLW, GradVac, GradDrop) are seeded alike before each step, as Lightning's seed does.
@@ -56,7 +56,7 @@ def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
     if way.startswith("fsdp"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from multiloss.sharding import shard_components
+        from multiloss.parallel.sharding import shard_components
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         whole = ["net"] if way == "fsdp_rank" else []

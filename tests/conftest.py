@@ -98,8 +98,8 @@ def run_cli(
 
 def load_checkpoint(ckpt: Path) -> dict:
     """A checkpoint's entries: a file's, or a sharded run's directory read whole."""
-    from multiloss.checkpoints import read_sharded_checkpoint
-    from multiloss.saved_state import is_sharded_checkpoint
+    from multiloss.saving.checkpoints import read_sharded_checkpoint
+    from multiloss.saving.saved_state import is_sharded_checkpoint
 
     if is_sharded_checkpoint(ckpt):
         return read_sharded_checkpoint(ckpt)

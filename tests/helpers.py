@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from multiloss.distributed import ddp_wrappers
+from multiloss.parallel.ddp import ddp_wrappers
 
 
 class AllReduceCounter(L.Callback):

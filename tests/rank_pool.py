@@ -28,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-from multiloss.early_ranks import kill
+from multiloss.parallel.early_ranks import kill
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2

@@ -119,3 +119,56 @@ def test_a_checkpoint_of_every_recipe_of_e12c38f_loads_for_inference(case):
     saved = load_weights(ckpt)
     state = module.state_dict()
     assert not [k for k, v in saved.items() if isinstance(v, torch.Tensor) and not torch.equal(state[k], v)]
+
+
+def test_every_module_path_of_the_earlier_layout_still_names_the_same_module():
+    """Users' YAML (`multiloss.fsdp.FSDPStrategy`), old checkpoints' hyper-parameters (`multiloss.schedules.*`) and
+    users' imports (`from multiloss.module import Recipe`) name modules that moved into packages by concern: each old
+    path imports the module at its new place (the same object: a class is the same class), Hydra instantiates through
+    it, and the early config check reads its source there."""
+    import importlib
+
+    from hydra.utils import get_class
+
+    from multiloss.config import source
+    from multiloss.moved import MOVED, current_name
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert source.parsed(old) is not None, old
+    assert get_class("multiloss.schedules.LinearDecay") is get_class("multiloss.base.schedules.LinearDecay")
+    assert get_class("multiloss.fsdp.FSDPStrategy") is get_class("multiloss.parallel.fsdp.FSDPStrategy")
+    from multiloss.module import Recipe
+
+    assert Recipe.__module__ == "multiloss.base.module"
+    assert current_name("multiloss.schedules.Constant") == "multiloss.base.schedules.Constant"
+    assert current_name("multiloss.nets.MLP") == "multiloss.nets.MLP"
+
+
+def test_a_checkpoint_naming_the_earlier_layouts_paths_resumes(make_cfg, tmp_path):
+    """A checkpoint whose hyper-parameters and learning-rate plan name the schedule and balancer at their old paths
+    (as every checkpoint before the move does) loads for inference and resumes under the same schedule."""
+    import re
+
+    common = (*RUN, "recipe=multihead", "scheduler=warmup_cosine", "model.scheduler.warmup_steps=2", "balancer=pcgrad")
+    train(make_cfg(*common, "trainer.max_steps=3", output_dir=tmp_path / "new"))
+    checkpoint = torch.load(tmp_path / "new/checkpoints/last.ckpt", weights_only=True)
+
+    def old_paths(value):
+        if isinstance(value, str):
+            return re.sub(r"multiloss\.base\.schedules\b", "multiloss.schedules", value)
+        if isinstance(value, dict):
+            return {k: old_paths(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [old_paths(v) for v in value]
+        return value
+
+    written = {
+        k: old_paths(v) if k in ("hyper_parameters", "multiloss_learning_rates") else v for k, v in checkpoint.items()
+    }
+    assert "multiloss.schedules.WarmupCosine" in repr(written["hyper_parameters"])
+    old = tmp_path / "old.ckpt"
+    torch.save(written, old)
+    assert isinstance(MultiHead.load_from_checkpoint(old, map_location="cpu"), MultiHead)
+    train(make_cfg(*common, "trainer.max_steps=6", f"ckpt_path={old}", output_dir=tmp_path / "resumed"))
+    assert torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)["global_step"] == 6

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from multiloss import ConfigError, testing, train
-from multiloss.checkpoints import AtomicCheckpointIO, CheckpointWriteError
-from multiloss.run_dir import LOCK
-from multiloss.saved_state import SAVED_KEYS
+from multiloss.saving.checkpoints import AtomicCheckpointIO, CheckpointWriteError
+from multiloss.saving.run_dir import LOCK
+from multiloss.saving.saved_state import SAVED_KEYS
 from tests.conftest import BARE, QUIET, SMALL_GAN, load_checkpoint, train_here
 
 SMALL = ("recipe=multihead", "model.net.width=16", "trainer.accelerator=cpu", "trainer.limit_val_batches=0")
@@ -171,7 +171,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, target)
     big = "{'state_dict': {'w': torch.zeros(100_000_000)}}"  # 400 MB: long enough to be caught writing
     save = f"AtomicCheckpointIO().save_checkpoint({big}, {str(target)!r})"
-    script = f"import torch; from multiloss.checkpoints import AtomicCheckpointIO; {save}"
+    script = f"import torch; from multiloss.saving.checkpoints import AtomicCheckpointIO; {save}"
     proc = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 60
     while not list(target.parent.glob(".last.ckpt.*.tmp")) and time.monotonic() < deadline:
@@ -227,5 +227,7 @@ def test_every_key_a_checkpoint_holds_is_lightnings_or_declared_with_its_owner(t
     )
     keys = set(load_checkpoint(out / "checkpoints/last.ckpt"))
     declared = {key.name for key in SAVED_KEYS}
-    assert keys - LIGHTNING_KEYS <= declared, f"undeclared in multiloss.saved_state: {keys - LIGHTNING_KEYS - declared}"
+    assert keys - LIGHTNING_KEYS <= declared, (
+        f"undeclared in multiloss.saving.saved_state: {keys - LIGHTNING_KEYS - declared}"
+    )
     assert keys & declared, "multiloss's own keys are in the checkpoint"

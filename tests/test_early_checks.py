@@ -41,7 +41,7 @@ def _early(cfg) -> str | None:
 def _run(cfg) -> str | None:
     """What the run says of ``cfg`` before it fits: `multiloss.train`'s checks, nothing written."""
     from multiloss.config import check_config
-    from multiloss.run_dir import resume_from
+    from multiloss.saving.run_dir import resume_from
     from multiloss.training import prepare
 
     cfg = copy.deepcopy(cfg)

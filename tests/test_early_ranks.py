@@ -1,4 +1,4 @@
-"""A one-node DDP/FSDP2 run's other ranks start right after the config is checked (`multiloss.early_ranks`).
+"""A one-node DDP/FSDP2 run's other ranks start right after the config is checked (`multiloss.parallel.early_ranks`).
 
 Which runs start them early (only where the config says what Lightning will do), that the launcher takes them over
 (the same ranks train: rank 1 carries the mark of an early start), and that ranks no launcher takes over are stopped
@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from multiloss import early_ranks
+from multiloss.parallel import early_ranks
 from tests.conftest import QUIET, run_cli
 
 
@@ -26,7 +26,7 @@ def _trainer(**keys):
     return OmegaConf.create({"accelerator": "auto", "devices": "auto", "strategy": "auto", "num_nodes": 1, **keys})
 
 
-FSDP = {"_target_": "multiloss.fsdp.FSDPStrategy"}
+FSDP = {"_target_": "multiloss.parallel.fsdp.FSDPStrategy"}
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 import multiloss
+from multiloss.base.step import refuse_lightning_step_options
 from multiloss.cli import optimized_value
 from multiloss.config import check_config
-from multiloss.step import refuse_lightning_step_options
 from tests.conftest import CONFIG_DIR, ROOT, run_cli
 
 SHORT = ("trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2")

@@ -11,7 +11,7 @@ import torch
 
 from multiloss import train
 from multiloss.config import ConfigError
-from multiloss.history import read_rows
+from multiloss.saving.history import read_rows
 from tests.conftest import load_weights
 from tests.helpers import straight_and_resumed
 

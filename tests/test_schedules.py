@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multiloss import ConfigError, train
-from multiloss.schedules import _warmup_cosine
+from multiloss.base.schedules import _warmup_cosine
 from tests.conftest import load_weights
 from tests.helpers import logged_rates, straight_and_resumed
 
@@ -203,7 +203,7 @@ def test_a_resume_with_another_schedule_is_refused_before_anything_is_written(ma
     with pytest.raises(ConfigError, match="the checkpoint's run was trained under another schedule") as err:
         train(make_cfg(*SMALL, "scheduler=constant", "trainer.max_epochs=2", "ckpt_path=last", output_dir=run))
     assert err.value.key == "model.scheduler._target_"
-    assert "multiloss.schedules.StepDecay(step_size=1, gamma=0.5" in err.value.accepted
+    assert "multiloss.base.schedules.StepDecay(step_size=1, gamma=0.5" in err.value.accepted
     assert (run / ".hydra/config.yaml").read_text() == record
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
 

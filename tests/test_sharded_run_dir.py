@@ -19,8 +19,8 @@ from multiloss import train
 from multiloss.cli import consolidate_main
 from multiloss.config import ConfigError
 from multiloss.nets import DeepSupervisionMLP
-from multiloss.saved_state import is_sharded_checkpoint
-from multiloss.sharding import _units, check_policy
+from multiloss.parallel.sharding import _units, check_policy
+from multiloss.saving.saved_state import is_sharded_checkpoint
 from tests.conftest import QUIET, ROOT, run_cli
 from tests.helpers import logged_rates
 from tests.rank_pool import pooled_train

@@ -22,11 +22,11 @@ import torch
 from multiloss.recipes.gan import GAN as GANRecipe
 
 from multiloss import train
-from multiloss.checkpoints import verify_checkpoint
 from multiloss.cli import consolidate_main
 from multiloss.config import ConfigError
 from multiloss.data.vocabulary import pydoc_text
-from multiloss.saved_state import is_sharded_checkpoint
+from multiloss.saving.checkpoints import verify_checkpoint
+from multiloss.saving.saved_state import is_sharded_checkpoint
 from tests.conftest import QUIET, ROOT, SMALL_GAN, load_weights, run_cli, train_here
 from tests.helpers import logged_rates
 from tests.rank_pool import pooled_train

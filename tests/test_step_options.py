@@ -150,7 +150,8 @@ class _StepRecorder(L.Callback):
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_the_step_options_act_the_same_in_every_recipe(make_cfg, recipe):
-    """k = 2, clipping at 1e-3 and a per-step warm-up through each recipe's step (`multiloss.step.OptimizerStep`): every
+    """k = 2, clipping at 1e-3 and a per-step warm-up through each recipe's step
+    (`multiloss.base.step.OptimizerStep`): every
     optimizer steps once every k micro-batches (tbptt's micro-batches are its chunks), on a gradient clipped to the
     bound, at the rate the schedule gives its own step count (the warm-up's (j + 1) / 4 of the rate: one schedule
     step per optimizer step, none per micro-batch)."""

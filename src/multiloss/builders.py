@@ -21,12 +21,12 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from multiloss import lightning_internals as internals
-from multiloss.checkpoints import AtomicCheckpointIO
+from multiloss.base.module import Recipe
 from multiloss.config import ConfigError
 from multiloss.config.errors import error_from_lightning
 from multiloss.config.parallel import check_sharded_run
-from multiloss.module import Recipe
-from multiloss.parallelism import strategy_of
+from multiloss.parallel.parallelism import strategy_of
+from multiloss.saving.checkpoints import AtomicCheckpointIO
 
 
 def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
@@ -35,7 +35,7 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
     check_sharded_run(cfg.trainer, cuda_available=torch.cuda.is_available())
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
-    # Checkpoints written atomically, failures loud, loads weights_only (multiloss.checkpoints).
+    # Checkpoints written atomically, failures loud, loads weights_only (multiloss.saving.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
     # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
     # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
@@ -56,7 +56,7 @@ def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "trai
 
 def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_loggers: bool = True) -> list[L.Callback]:
     """Every callback a run adds to the Trainer, decided here; the recipe's own outputs and loggers of its rows come
-    from the recipe (`multiloss.module.Recipe.configure_callbacks`, Lightning's way for a module to carry them).
+    from the recipe (`multiloss.base.module.Recipe.configure_callbacks`, Lightning's way for a module to carry them).
 
     First the epoch values' reduction on every rank (`EpochMetricsOnEveryRank`: no rank-zero-only reader may
     issue a collective), then the config's ``callbacks`` group, then what multiloss always adds to a training:
@@ -73,7 +73,7 @@ def run_callbacks(cfg: DictConfig, purpose: Literal["train", "evaluate"], has_lo
     from multiloss.callbacks.epoch_metrics import EpochMetricsOnEveryRank
     from multiloss.callbacks.resume import ResumeRule
     from multiloss.callbacks.run_record import RunRecord
-    from multiloss.distributed import ReportOnce
+    from multiloss.parallel.ddp import ReportOnce
 
     configured = [_build(f"callbacks.{k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     if not has_loggers:  # logger=none: an LR monitor has nowhere to write (Lightning would stop the run)

@@ -28,8 +28,9 @@ def train_main() -> None:
 
 
 def _continue_with_the_runs_overrides() -> None:
-    """``ckpt_path=<a run's checkpoint>``: that run's overrides first (`multiloss.run_dir.run_overrides`), said."""
-    from multiloss.run_dir import run_overrides
+    """``ckpt_path=<a run's checkpoint>``: that run's overrides first (`multiloss.saving.run_dir.run_overrides`),
+    said."""
+    from multiloss.saving.run_dir import run_overrides
 
     sys.argv[1:], carried = run_overrides(sys.argv[1:])
     if carried:
@@ -53,7 +54,7 @@ def eval_main() -> None:
     ``.hydra/overrides.yaml``) come first, so ``recipe=``, ``net=``, ``data=`` need not be repeated;
     what the command line gives wins.
     """
-    from multiloss.run_dir import run_overrides
+    from multiloss.saving.run_dir import run_overrides
 
     sys.argv[1:], _ = run_overrides(sys.argv[1:])
     _run_hydra("eval", eval_task)
@@ -68,8 +69,8 @@ def consolidate_main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="a sharded checkpoint directory (…/checkpoints/last.ckpt)")
     parser.add_argument("out", type=Path, nargs="?", help="the file to write (default: <checkpoint>.whole.ckpt)")
     args = parser.parse_args(argv)
-    from multiloss.checkpoints import consolidate
     from multiloss.config import ConfigError
+    from multiloss.saving.checkpoints import consolidate
 
     out = args.out or args.checkpoint.with_name(f"{args.checkpoint.stem}.whole.ckpt")
     try:
@@ -149,7 +150,7 @@ def train_task(cfg: DictConfig) -> dict[str, float] | float:
     The config is checked before torch and Lightning are imported (`multiloss.config.early`): a mistake is named in
     a second, with the message the run would give after the imports.
     """
-    from multiloss import early_ranks
+    from multiloss.parallel import early_ranks
 
     if not early_ranks.started_early():  # a rank rank zero started early runs the config rank zero checked
         check_before_imports(cfg)
@@ -215,9 +216,9 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
 
     silence_known_noise()  # before Lightning and torchdata are imported: some warn at import or first use
     from multiloss.callbacks import NonFiniteError, RunPreempted
-    from multiloss.checkpoints import CheckpointWriteError
     from multiloss.config import ConfigError
-    from multiloss.stalls import CollectiveStalled
+    from multiloss.parallel.stalls import CollectiveStalled
+    from multiloss.saving.checkpoints import CheckpointWriteError
 
     # Imported after Hydra set up logging, Lightning does not add its own console handler and its
     # lines go through Hydra's (into a run dir's train.log, even a rejected run's): set it up as
@@ -234,16 +235,16 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         if not os.environ.get("SUBMITIT_EXECUTOR"):  # a job's log handlers still write into its dir
             _remove_if_empty(cfg)
-        # Another rank of this job prints it (multiloss.distributed.ReportOnce; before the ranks share a group:
-        # multiloss.early_ranks.report_once).
-        from multiloss.early_ranks import report_once
+        # Another rank of this job prints it (multiloss.parallel.ddp.ReportOnce; before the ranks share a group:
+        # multiloss.parallel.early_ranks.report_once).
+        from multiloss.parallel.early_ranks import report_once
 
         quiet = getattr(err, "reported_elsewhere", False) or not report_once(err.message)
         _fail("config error", err.message, 2, quiet=quiet)
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
     except CollectiveStalled as err:
-        from multiloss.rendezvous import RendezvousIncomplete
+        from multiloss.parallel.rendezvous import RendezvousIncomplete
 
         if isinstance(err, RendezvousIncomplete):  # stopped before the run wrote anything
             _remove_if_empty(cfg)
@@ -266,7 +267,7 @@ def _ending_the_process_group(task: Callable[[DictConfig], dict[str, float]], cf
     A rank that a launcher of ours did not start (torchrun's, srun's, and those Lightning's launcher started)
     would otherwise leave its group to the interpreter's exit, where gloo's threads can be torn down still
     running: ``terminate called without an active exception``, SIGABRT, and srun marks a finished job FAILED.
-    No barrier: a launching process waits for its ranks to exit (`multiloss.distributed.HydraJobLauncher.finish`),
+    No barrier: a launching process waits for its ranks to exit (`multiloss.parallel.ddp.HydraJobLauncher.finish`),
     and a barrier here would wait for it in turn.
     """
     from multiloss import lightning_internals as internals
@@ -292,8 +293,8 @@ def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
 
 
 def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
-    from multiloss.run_dir import resume_command
-    from multiloss.saved_state import checkpoint_exists
+    from multiloss.saving.run_dir import resume_command
+    from multiloss.saving.saved_state import checkpoint_exists
 
     if checkpoint is None or not checkpoint_exists(checkpoint):
         return ""
@@ -304,7 +305,7 @@ def _resume_hint(checkpoint: Path | None, cfg: DictConfig) -> str:
 
 def _remove_if_empty(cfg: DictConfig) -> None:
     """A rejected run leaves no trace: Hydra made its run dir before the config was checked; it goes if empty. What
-    the run made below it while it held the dir's lock is removed with the lock (`multiloss.run_dir.claimed`);
+    the run made below it while it held the dir's lock is removed with the lock (`multiloss.saving.run_dir.claimed`);
     nothing below is touched here: another run may hold the lock and be writing there."""
     with contextlib.suppress(OSError):  # not made, or not empty
         Path(cfg.paths.output_dir).rmdir()
@@ -341,8 +342,8 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     if metrics:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
-    from multiloss.run_dir import resume_command
-    from multiloss.saved_state import checkpoint_exists
+    from multiloss.saving.run_dir import resume_command
+    from multiloss.saving.saved_state import checkpoint_exists
 
     last = out / "checkpoints" / "last.ckpt"
     resume = f"; train on: {resume_command(last, *_twice_the_budget(cfg))}" if checkpoint_exists(last) else ""

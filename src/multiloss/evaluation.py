@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.config import ConfigError, check_config, require
-from multiloss.run_dir import run_overrides, stored_entries
-from multiloss.saved_state import SPLIT_KEY
+from multiloss.saving.run_dir import run_overrides, stored_entries
+from multiloss.saving.saved_state import SPLIT_KEY
 
 log = logging.getLogger("multiloss")
 
@@ -35,10 +35,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     against the recipe it builds (a checkpoint of another recipe or shape is a `ConfigError` on
     ``ckpt_path``). The metrics are the loggers' (``metrics.csv`` in the eval run dir) too.
     """
-    from multiloss.checkpoints import verify_checkpoint
     from multiloss.console import save_run_config
-    from multiloss.run_dir import refuse_a_runs_dir
-    from multiloss.run_log import open_run_log
+    from multiloss.saving.checkpoints import verify_checkpoint
+    from multiloss.saving.run_dir import refuse_a_runs_dir
+    from multiloss.saving.run_log import open_run_log
 
     check_config(cfg)
     require(bool(cfg.get("ckpt_path")), "ckpt_path", cfg.get("ckpt_path"), "the checkpoint to evaluate (a .ckpt file)")

@@ -481,7 +481,7 @@ def sgd_step(net: nn.Module, gradients: Mapping[str, torch.Tensor | None], lr: f
 
 
 class _PlainStep:
-    """What `Balanced.backward` asks of `multiloss.step.OptimizerStep` outside a Trainer: the backward itself."""
+    """What `Balanced.backward` asks of `multiloss.base.step.OptimizerStep` outside a Trainer: the backward itself."""
 
     @staticmethod
     def backward(loss: torch.Tensor, gradient: torch.Tensor | None = None, **kwargs: Any) -> None:

@@ -9,17 +9,17 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
+from multiloss.base.module import Recipe
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.callbacks.run_record import RunRecord
-from multiloss.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
 from multiloss.config import ConfigError, check_config
 from multiloss.config.errors import error_from_lightning
-from multiloss.module import Recipe
-from multiloss.parallelism import parallelism_of
+from multiloss.parallel.parallelism import parallelism_of
+from multiloss.parallel.stalls import explain_stall, is_stall, last_checkpoint
 from multiloss.pitfalls import explain
-from multiloss.run_dir import claimed, launch_rank_zero, resume_from
-from multiloss.saved_state import BATCHES_KEY
-from multiloss.stalls import explain_stall, is_stall, last_checkpoint
+from multiloss.saving.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
+from multiloss.saving.run_dir import claimed, launch_rank_zero, resume_from
+from multiloss.saving.saved_state import BATCHES_KEY
 
 log = logging.getLogger("multiloss")
 

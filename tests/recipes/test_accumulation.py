@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 
 from multiloss import testing, train
+from multiloss.base.lr_scaling import effective_batch_size, lr_factor, scaled_lr
 from multiloss.config import ConfigError
-from multiloss.lr_scaling import effective_batch_size, lr_factor, scaled_lr
 from multiloss.testing import GradientCapture
 from tests.conftest import ONE_CPU_NO_VAL, load_weights
 

@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
 from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
-from multiloss.gan_objectives import penalty as gan_penalty
+from multiloss.gan.objectives import penalty as gan_penalty
 from multiloss.metrics import ModeCoverage
 from multiloss.nets import MLP
 from multiloss.testing import assert_gradients_close

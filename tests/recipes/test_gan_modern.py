@@ -195,7 +195,7 @@ def test_a_penalty_refuses_batch_norm_and_the_old_key_still_loads(make_cfg, tmp_
 
 def _studiogan_ema(G_ema, G, it: int, decay: float, start_iter: int) -> None:
     """POSTECH-CVLab/PyTorch-StudioGAN 947b35e ``src/utils/ema.py`` 27-40 (``Ema.update``), its parameters' part;
-    its buffers are copied here (multiloss's convention; ``Ema`` averages them, see `multiloss.generator_ema`)."""
+    its buffers are copied here (multiloss's convention; ``Ema`` averages them, see `multiloss.gan.ema`)."""
     decay = 0.0 if 0 <= it < start_iter else decay
     with torch.no_grad():
         for p_ema, p in zip(G_ema.parameters(), G.parameters()):
@@ -207,7 +207,7 @@ def _studiogan_ema(G_ema, G, it: int, decay: float, start_iter: int) -> None:
 def test_the_ema_follows_both_references_and_copies_batch_norm():
     """Six updates of a generator with BatchNorm: the half-life convention == stylegan2-ada's (with and without its
     ramp-up), the decay convention == StudioGAN's (before and after its start step): weights to 0.0, buffers copied."""
-    from multiloss.generator_ema import GeneratorEMA
+    from multiloss.gan.ema import GeneratorEMA
     from multiloss.nets import MLP
 
     torch.manual_seed(0)
@@ -357,7 +357,7 @@ def _diffaugment_reference(x, policy: str, rand: list, randint: list):
 def test_diffaugment_equals_its_reference_and_is_differentiable():
     """Our transforms on given uniforms == DiffAugment's code given the same draws (exact); every integer draw in
     range, each value reached; the gradient flows to the input (G's step through the augmentation)."""
-    from multiloss.gan_augment import Augment, _integers, diff_augment
+    from multiloss.gan.augment import Augment, _integers, diff_augment
 
     torch.manual_seed(0)
     x = torch.rand(256, 3, 8, 8, requires_grad=True)
@@ -389,7 +389,7 @@ def test_diffaugment_equals_its_reference_and_is_differentiable():
 def test_ada_moves_p_by_the_sign_of_r_t():
     """stylegan2-ada's update: r_t above the target raises p by interval images / (kimg · 1000); below lowers it,
     never under 0."""
-    from multiloss.gan_augment import Augment
+    from multiloss.gan.augment import Augment
 
     ada = Augment(policy="color", p=0.0, ada_target=0.6, ada_interval=4, ada_kimg=2)
     ada.observe(ada.statistic(torch.tensor([1.0, 2.0, -1.0, 3.0])))  # r_t = 0.5 < 0.6: down, clamped at 0
@@ -431,7 +431,7 @@ def test_ada_r_t_counts_the_lazy_r1_steps_reals(make_cfg, tmp_path):
     """r_t averages the signs of every real D scored in the interval, the lazy R1 step's too (stylegan2-ada's
     ``Dr1`` phase reports ``Loss/signs/real`` as ``Dmain`` does): with an interval longer than the run, the sums
     at the end hold each D step's 32 reals plus 32 for each of its lazy R1 steps (every 3rd, from the 0th)."""
-    from multiloss.saved_state import D_STEPS_KEY
+    from multiloss.saving.saved_state import D_STEPS_KEY
 
     options = [o for o in ADA if not o.startswith("+model.augment.ada_interval")]
     train(make_cfg(*options, "+model.augment.ada_interval=1000", output_dir=tmp_path / "run"))
@@ -485,7 +485,7 @@ def test_ada_resumes_exactly(make_cfg, tmp_path):
 
 
 def test_the_shipped_digit_classifier_is_the_versioned_one_and_reads_digits():
-    from multiloss.digit_features import DIGEST, DigitFeatures, digits_split, weights_digest
+    from multiloss.gan.digit_features import DIGEST, DigitFeatures, digits_split, weights_digest
 
     assert weights_digest() == DIGEST  # a retrained or edited file is a new VERSION
     features = DigitFeatures()
@@ -505,8 +505,8 @@ def test_fid_kid_prdc_and_modes_equal_their_definitions():
     from scipy import linalg
 
     from multiloss.data import StackedDigitsDataModule
-    from multiloss.digit_features import DigitFeatures, digits_split
-    from multiloss.gan_metrics import SampleQuality
+    from multiloss.gan.digit_features import DigitFeatures, digits_split
+    from multiloss.gan.metrics import SampleQuality
 
     _, _, x, _ = digits_split()
     real, fake = x[:180].float(), (x[180:] * 0.7 + 0.1).float()
@@ -599,7 +599,7 @@ def test_inception_features_score_digits_where_its_weights_are():
     score FID ≈ 0, against noise far more."""
     from sklearn.datasets import load_digits
 
-    from multiloss.gan_metrics import SampleQuality
+    from multiloss.gan.metrics import SampleQuality
 
     reals = torch.from_numpy(load_digits().data[:200]).float() / 16
     scores = {}
@@ -635,7 +635,7 @@ def _tiny_scores_critic(device: str) -> torch.nn.Module:
 def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
     """Scaled scores, unscaled gradient: the same gradient as without a scaler (float32, CPU), and the penalty's
     gradient reaches D's weights through it."""
-    from multiloss.gan_objectives import input_gradient, penalty
+    from multiloss.gan.objectives import input_gradient, penalty
 
     critic, x = _tiny_scores_critic("cpu"), torch.randn(32, 8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -651,7 +651,7 @@ def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
     """On a GPU under float16 autocast: without the scaler the R1 input gradient underflows to 0; with it (the
     recipe's path) it equals float32's to 5 % of its largest value (float16 subnormals). Then a 16-mixed run with
     lazy R1 and G_ema trains, finite."""
-    from multiloss.gan_objectives import input_gradient
+    from multiloss.gan.objectives import input_gradient
 
     critic, x = _tiny_scores_critic("cuda"), torch.randn(32, 8, device="cuda")
     reference, _ = input_gradient(critic, x)

@@ -19,8 +19,6 @@ from multiloss.components import build_module
 from multiloss.config import require
 
 _FIXED = "multiloss.balancers.Fixed"
-# Where a class or function named by an earlier config now lives (checkpoints keep their config's _target_s).
-_MOVED = {"multiloss.min_norm.": "multiloss.balancers.min_norm."}
 
 
 def build_balancer(
@@ -32,7 +30,7 @@ def build_balancer(
     if spec is None or _target(spec) == _FIXED:
         balancer: Balancer = Fixed(tasks, base)
     else:
-        balancer = build_module(_where_now(spec), key, tasks=list(tasks), base=list(base), net=net)
+        balancer = build_module(spec, key, tasks=list(tasks), base=list(base), net=net)
     weight = next(net.parameters(), None)
     return balancer if weight is None else balancer.to(weight.device)
 
@@ -42,7 +40,7 @@ def combines_gradients(spec: dict[str, Any] | None) -> bool:
     if isinstance(spec, Balancer):  # given as an object
         return spec.combines_gradients
     target = _target(spec)
-    return target is not None and getattr(get_object(_where_now(target)), "combines_gradients", False)
+    return target is not None and getattr(get_object(target), "combines_gradients", False)
 
 
 def _scope(spec: Any) -> str:
@@ -74,17 +72,6 @@ def check_sharded_balancer(spec: dict[str, Any] | None, accumulate_grad_batches:
         "the sharded rule reduce-scatters each task's gradient of a micro-batch that steps; micro-batches that "
         "do not step keep whole gradients",
     )
-    check = getattr(get_object(_where_now(_target(spec))), "check_sharded_rule", None) if _target(spec) else None
+    check = getattr(get_object(_target(spec)), "check_sharded_rule", None) if _target(spec) else None
     if check is not None:
         check(spec)
-
-
-def _where_now(node: Any) -> Any:
-    """``node`` (a config, or a ``_target_`` string) with the names of moved classes and functions as they are now."""
-    if isinstance(node, str):
-        return next((new + node[len(old) :] for old, new in _MOVED.items() if node.startswith(old)), node)
-    if isinstance(node, dict):
-        return {k: _where_now(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_where_now(v) for v in node]
-    return node

@@ -33,7 +33,7 @@ class PCGrad(GradientBalancer):
     false`` takes them in index order): if gᵢ·gⱼ < 0, gᵢ ← gᵢ - (gᵢ·gⱼ / ‖gⱼ‖²)·gⱼ, with gⱼ the
     original gradient of task j. Only the shared parameters are projected; a task's own head gets its
     own gradient. Tasks keep their configured weights (cᵢ·Lᵢ). The order's generator is in the
-    checkpoint. Under DDP (and FSDP2, the net held whole for its step: `multiloss.sharding.LocalGradients`)
+    checkpoint. Under DDP (and FSDP2, the net held whole for its step: `multiloss.parallel.sharding.LocalGradients`)
     each rank projects its own per-task gradients before they are averaged (as the paper's code does on
     one device); averaging the per-task gradients first would cost one all-reduce per task.
     """

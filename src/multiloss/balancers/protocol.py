@@ -134,7 +134,7 @@ class Balanced:
     backwarded: bool = False  # the step's gradient is in .grad already (the sharded rule): nothing left to backward
 
     def backward(self, step: Any, as_sum: bool = False) -> None:
-        """This step's gradient, through ``step`` (`multiloss.step.OptimizerStep`: its division by k, its sync),
+        """This step's gradient, through ``step`` (`multiloss.base.step.OptimizerStep`: its division by k, its sync),
         whatever the balancer: a gradient balancer's surrogate; else the task losses seeded with the weights in one
         pass (``grad_tensors``; the balancer's own term with weight 1) — or, ``as_sum``, the backward of the scalar
         total Σ wᵢ·Lᵢ; nothing when the sharded rule has written the gradient already."""

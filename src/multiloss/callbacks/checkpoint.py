@@ -33,7 +33,7 @@ class Checkpoint(ModelCheckpoint, LeanCallback):
     It decides when to save: at each step boundary, on its own clock and on what `multiloss.callbacks.Preemption`
     asks (a signal: save this step, then the run stops).
 
-        Each save replaces the file atomically (`multiloss.checkpoints.AtomicCheckpointIO`).
+        Each save replaces the file atomically (`multiloss.saving.checkpoints.AtomicCheckpointIO`).
 
         Four holes in stock Lightning's ``last.ckpt``, each making a resume differ from a straight run:
 

@@ -30,9 +30,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from multiloss import lightning_internals as internals
+from multiloss.base.module import Recipe
 from multiloss.lean_callback import LeanCallback
-from multiloss.module import Recipe
-from multiloss.saved_state import checkpoint_exists
+from multiloss.saving.saved_state import checkpoint_exists
 
 Mode = Literal["stop", "skip", "off"]
 

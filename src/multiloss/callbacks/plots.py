@@ -12,8 +12,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from multiloss.history import csv_logger, read_rows
 from multiloss.lean_callback import LeanCallback
+from multiloss.saving.history import csv_logger, read_rows
 
 
 def logged_curves(trainer: L.Trainer, prefix: str) -> dict[str, tuple[list[float], list[float]]]:

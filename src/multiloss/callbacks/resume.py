@@ -8,7 +8,7 @@ while the run's records said 1e-4; ``optimizer=sgd`` over an Adam checkpoint die
 
 `ResumeRule` compares, between the optimizers' creation and the restore of their states, each
 optimizer the config built with the one the checkpoint saved. The learning rate is the config's base
-× the recipe's rule × the schedule's progress (`multiloss.learning_rate`, whose parts it writes into
+× the recipe's rule × the schedule's progress (`multiloss.base.learning_rate`, whose parts it writes into
 every checkpoint): a changed base, batch size, k, world size or schedule length applies from the
 rate the schedule had reached, and is logged; a plateau's cuts and a schedule's progress are the
 run's and continue. Every other group setting (weight decay, betas, momentum) of the config is
@@ -26,11 +26,11 @@ from typing import Any
 
 import lightning as L
 
-from multiloss.checkpoints import sharded_metadata
+from multiloss.base.learning_rate import RatePlan, refuse_other_schedules, resume_rates
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.learning_rate import RatePlan, refuse_other_schedules, resume_rates
-from multiloss.saved_state import LR_KEY, is_sharded_checkpoint
+from multiloss.saving.checkpoints import sharded_metadata
+from multiloss.saving.saved_state import LR_KEY, is_sharded_checkpoint
 
 log = logging.getLogger("multiloss")
 

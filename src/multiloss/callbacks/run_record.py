@@ -3,7 +3,7 @@
 `RunRecord` claims the run dir, writes the ``.hydra/`` copies and logs the config when training
 starts; into every checkpoint it writes the overrides, the config dirs, the data split and the
 metrics.csv of the run (`multiloss-eval` rebuilds the recipe from them, a resumed run continues the
-metrics file). Their checkpoint keys are declared in `multiloss.saved_state`; this callback writes them.
+metrics file). Their checkpoint keys are declared in `multiloss.saving.saved_state`; this callback writes them.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from multiloss import lightning_internals as internals
+from multiloss.base.module import Recipe
 from multiloss.console import print_config_tree, save_run_config
-from multiloss.history import continue_history, history_entry
 from multiloss.lean_callback import LeanCallback
-from multiloss.module import Recipe
-from multiloss.run_dir import check_run_dir
-from multiloss.run_log import open_run_log
-from multiloss.saved_state import BATCHES_KEY, CONFIG_DIRS_KEY, HISTORY_KEY, OVERRIDES_KEY, SPLIT_KEY
+from multiloss.saving.history import continue_history, history_entry
+from multiloss.saving.run_dir import check_run_dir
+from multiloss.saving.run_log import open_run_log
+from multiloss.saving.saved_state import BATCHES_KEY, CONFIG_DIRS_KEY, HISTORY_KEY, OVERRIDES_KEY, SPLIT_KEY
 
 log = logging.getLogger("multiloss")
 
@@ -36,7 +36,8 @@ class RunRecord(LeanCallback):
     of the data (at setup), restores ``ckpt_path`` and checks the Trainer's values against the data
     (``val_check_interval``); a run rejected there must leave an earlier run's files untouched, and its message
     must be about the mistake, not about the dir: only then does every rank check that the dir holds no other
-    run's checkpoints. Its lock was taken before anything was built (`multiloss.run_dir.claimed`, `multiloss.train`).
+    run's checkpoints. Its lock was taken before anything was built (`multiloss.saving.run_dir.claimed`,
+    `multiloss.train`).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -56,7 +57,7 @@ class RunRecord(LeanCallback):
         open_run_log(trainer.global_rank)
         continue_history(trainer, self.resumed_history)  # a resumed run's metrics.csv starts with the earlier rows
         # Through Python's logging: under Hydra, also in this rank's <run dir>/train.log (written only from
-        # now on, so a run rejected earlier leaves no log behind: multiloss.run_log).
+        # now on, so a run rejected earlier leaves no log behind: multiloss.saving.run_log).
         log.info(
             "training %s on rank %d of %d into %s",
             type(pl_module).__name__,

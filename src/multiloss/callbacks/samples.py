@@ -4,7 +4,7 @@ Rank zero draws from the model (every rank, when the networks are sharded: their
 shards) with its own ``torch.Generator`` seeded the same way every epoch: the epochs' samples are
 comparable, they depend on the weights only, and the global random stream that training draws from is
 left exactly where it was (so exact resume holds). Each file's header names the epoch and the step
-(`multiloss.module.Recipe.step_index`, the ``step`` of metrics.csv).
+(`multiloss.base.module.Recipe.step_index`, the ``step`` of metrics.csv).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import lightning as L
 import torch
 
 from multiloss.lean_callback import LeanCallback
-from multiloss.parallelism import parallelism_of
-from multiloss.sharding import full
+from multiloss.parallel.parallelism import parallelism_of
+from multiloss.parallel.sharding import full
 
 
 class GeneratedSamplesPlot(LeanCallback):

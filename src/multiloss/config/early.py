@@ -39,7 +39,7 @@ def check_early(cfg: DictConfig) -> None:
 
 
 def _check_early(cfg: DictConfig) -> None:
-    from multiloss.run_dir import resume_from
+    from multiloss.saving.run_dir import resume_from
 
     cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))  # as `train` does, first
     check_config(cfg, early=True)
@@ -108,7 +108,7 @@ def _partial_optimizers(node: DictConfig, path: str) -> list[tuple[str, DictConf
 def _takes_from_data(recipe: source.Definition) -> bool:
     """Whether the recipe class (or a base but multiloss's `Recipe`) defines ``from_data``."""
     for klass in source.mro(recipe, source.own_packages(recipe)) or [recipe]:
-        if isinstance(klass, source.Definition) and klass.qualname == "multiloss.module.Recipe":
+        if isinstance(klass, source.Definition) and klass.qualname == "multiloss.base.module.Recipe":
             return False
         if isinstance(klass, source.Definition) and source.method(klass, "from_data") is not None:
             return True

@@ -6,7 +6,7 @@ from typing import Any
 
 from multiloss.config.errors import ConfigError
 
-_SHARDED = ("multiloss.fsdp.FSDPStrategy", "ModelParallelStrategy")
+_SHARDED = ("multiloss.parallel.fsdp.FSDPStrategy", "ModelParallelStrategy")
 
 
 def is_sharded(trainer_cfg: Any) -> bool:

@@ -105,7 +105,7 @@ def check_config(cfg: DictConfig, early: bool = False) -> None:
     _check_schedule_lengths(cfg, read)
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None:
-        from multiloss.saved_state import checkpoint_exists
+        from multiloss.saving.saved_state import checkpoint_exists
 
         require(
             checkpoint_exists(ckpt),

@@ -63,7 +63,7 @@ def run(out: Path, *overrides: str) -> None:
 
 
 def main(dest: Path) -> None:
-    from multiloss.checkpoints import consolidate
+    from multiloss.saving.checkpoints import consolidate
 
     dest.mkdir(parents=True, exist_ok=True)
     work = dest / "_work"

@@ -8,7 +8,7 @@ decides the rest, identically in all five recipes:
   and the epoch's last: no gradient is carried into the next epoch, as Lightning decides);
 - the gradient sync of the backward inside (DDP's ``no_sync`` / FSDP2's hand-over when it does not step;
   a component held whole under FSDP2 hands its gradients over at the block's end:
-  `multiloss.parallelism`);
+  `multiloss.parallel.parallelism`);
 - the division of each micro-batch's loss by k (``loss / k``: k micro-batches of b sum to one batch of k·b);
 - at the block's end, on a micro-batch that steps: clipping (``model.gradient_clip_val``), the optimizer's
   step and ``zero_grad(set_to_none=True)``; then, on every micro-batch, the learning-rate schedule (interval
@@ -28,7 +28,7 @@ import torch
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
-from multiloss.parallelism import NOTHING
+from multiloss.parallel.parallelism import NOTHING
 
 
 class OptimizerStep:
@@ -44,7 +44,7 @@ class OptimizerStep:
 
     def __init__(
         self,
-        recipe: Any,  # a multiloss.module.Recipe
+        recipe: Any,  # a multiloss.base.module.Recipe
         optimizer: Any,
         stepping: bool,
         *,
@@ -131,7 +131,7 @@ def ends_optimizer_step(recipe: Any, batch_idx: int) -> bool:
 def step_schedules(trainer: Any, optimizer: Any, stepped: bool, batch_done: bool = True) -> None:
     """``optimizer``'s schedule: a step after each of its steps (interval step), one after an epoch's last batch
     (interval epoch: once ``batch_done``, tbptt's last chunk); a ``validation`` schedule steps when a validation
-    ends (`multiloss.schedules.StepOnValidation`)."""
+    ends (`multiloss.base.schedules.StepOnValidation`)."""
     configs = trainer.lr_scheduler_configs
     if not configs:
         return

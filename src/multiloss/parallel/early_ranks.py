@@ -3,7 +3,7 @@
 Lightning starts ranks > 0 inside ``fit``, once the launching process has imported torch and Lightning and built
 the data, the recipe and the Trainer: a 2-rank run paid the whole start-up twice in a row. Here `start` launches
 them right after `multiloss.config.early` accepted the config, so every rank imports and builds at the same time;
-the strategy's launcher (`multiloss.distributed.HydraJobLauncher`) takes them over at ``fit``, as if it had started
+the strategy's launcher (`multiloss.parallel.ddp.HydraJobLauncher`) takes them over at ``fit``, as if it had started
 them itself (the same command, the same environment: `job_command`), and watches them from there.
 
 Only where it is sure what Lightning will do: the one-node runs of multiloss's DDP and FSDP2 strategies with a
@@ -13,7 +13,7 @@ the Trainer then want other ranks than those started (`settle`), they are stoppe
 Lightning starts its own.
 
 Until the ranks share a process group, a config error they all meet is printed once: each process claims the
-message in a directory they share (`report_once`), as `multiloss.distributed.ReportOnce` does through the group's
+message in a directory they share (`report_once`), as `multiloss.parallel.ddp.ReportOnce` does through the group's
 store afterwards.
 """
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Lightning's DDP aliases that start their processes as scripts (`multiloss.distributed.multiloss_ddp` builds them as
+# Lightning's DDP aliases that start their processes as scripts (`multiloss.parallel.ddp.multiloss_ddp` builds them as
 # multiloss's DDPStrategy); the strategies named by `_target_` that launch Hydra jobs.
 _DDP_NAMES = {"ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true"}
-_STRATEGY_TARGETS = {"multiloss.fsdp.FSDPStrategy", "multiloss.distributed.DDPStrategy"}
+_STRATEGY_TARGETS = {"multiloss.parallel.fsdp.FSDPStrategy", "multiloss.parallel.ddp.DDPStrategy"}
 # Set where another launcher started this process (torchrun, srun, Lightning's own launcher, MPI, LSF).
 _LAUNCHED_ELSEWHERE = (
     "LOCAL_RANK",
@@ -144,7 +144,7 @@ def start(cfg: Any) -> EarlyRanks | None:
     world_size = processes_wanted(cfg.trainer)
     if world_size < 2:
         return None
-    from multiloss.child_command import job_command
+    from multiloss.parallel.child_command import job_command
 
     ranks = EarlyRanks(world_size, _free_port())
     ranks.reports = Path(tempfile.mkdtemp(prefix="multiloss-ranks-"))

@@ -45,7 +45,7 @@ def is_stall(err: BaseException) -> bool:
 
 
 def note_stall(err: BaseException, trainer: L.Trainer) -> None:
-    """Called on every failing rank while the job's store is still up (`multiloss.distributed.ReportOnce`, a
+    """Called on every failing rank while the job's store is still up (`multiloss.parallel.ddp.ReportOnce`, a
     callback's ``on_exception``, before Lightning tears anything down): post where this rank's collective was issued;
     the first rank there gathers the others' words for `explain_stall`."""
     err._multiloss_stall = _share(trainer.global_rank, where(err.__traceback__), trainer.world_size)  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """Sharded training (FSDP2): every network of a recipe sharded on its own over the data-parallel ranks.
 
 ``trainer=fsdp_cpu`` (2 processes, gloo, fp32) and ``trainer=fsdp`` (every GPU, NCCL) run a recipe on
-`multiloss.fsdp.FSDPStrategy`, Lightning's `ModelParallelStrategy` (FSDP2, ``torch.distributed.fsdp.fully_shard``) with
+`multiloss.parallel.fsdp.FSDPStrategy`, Lightning's `ModelParallelStrategy` (FSDP2,
+``torch.distributed.fsdp.fully_shard``) with
 all ranks data-parallel. Lightning's `FSDPStrategy` (FSDP1) is not the path: it cannot run manual
 optimization, and every recipe runs under it.
 

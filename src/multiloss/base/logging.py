@@ -2,7 +2,7 @@
 
 Training values go to the recipe's `TrainingLog` (one kernel a step, written as means on Lightning's
 log rows, judged by the non-finite guard); validation values are logged per epoch as the mean over
-every rank's examples (`multiloss.metrics.EpochMeans`). A mixin of `multiloss.module.Recipe`.
+every rank's examples (`multiloss.metrics.EpochMeans`). A mixin of `multiloss.base.module.Recipe`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import lightning as L
 import torch
 
 from multiloss import lightning_internals as internals
+from multiloss.base.training_log import TrainingLog
 from multiloss.metrics import EpochMeans
-from multiloss.training_log import TrainingLog
 
 
 class RecipeLogging(L.LightningModule):
-    """The logging half of a recipe (`multiloss.module.Recipe`)."""
+    """The logging half of a recipe (`multiloss.base.module.Recipe`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,7 +68,7 @@ class RecipeLogging(L.LightningModule):
 
     @property
     def step_index(self) -> int:
-        """The step every output of a run names (`multiloss.training_log.TrainingLog`)."""
+        """The step every output of a run names (`multiloss.base.training_log.TrainingLog`)."""
         if self.training_log.step_index is not None:
             return self.training_log.step_index
         return max(internals.batches_that_stepped(self.trainer) - 1, 0)

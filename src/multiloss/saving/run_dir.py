@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from multiloss.config.errors import ConfigError
-from multiloss.saved_state import CONFIG_DIRS_KEY, OVERRIDES_KEY, checkpoint_exists, is_sharded_checkpoint
+from multiloss.saving.saved_state import CONFIG_DIRS_KEY, OVERRIDES_KEY, checkpoint_exists, is_sharded_checkpoint
 
 LOCK = ".multiloss.lock"
 # Set by SLURM in a requeued job and by torchrun in a restarted worker: the same run, again.
@@ -263,7 +263,7 @@ def stored_entries(ckpt: Path | str) -> dict[str, Any]:
     """The checkpoint's top-level entries (memory-mapped), or none if it cannot be read."""
     import torch
 
-    from multiloss.checkpoints import META
+    from multiloss.saving.checkpoints import META
 
     if not checkpoint_exists(ckpt):
         return {}

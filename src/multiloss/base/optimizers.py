@@ -1,9 +1,9 @@
 """`RecipeOptimizers`: a recipe's optimizers — built from their configs, at the recipe's rate rule, with their schedule.
 
-A mixin of `multiloss.module.Recipe`. A single-optimizer recipe sets ``self.optimizer_factory``; the
+A mixin of `multiloss.base.module.Recipe`. A single-optimizer recipe sets ``self.optimizer_factory``; the
 GAN builds its two in its own ``configure_optimizers`` through `with_schedule`. Each optimizer's
 `RatePlan` (configured rate × the recipe's rule × the schedule's factor) is kept for checkpoints and
-resumes (`multiloss.learning_rate`).
+resumes (`multiloss.base.learning_rate`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import lightning as L
 from torch.optim import Optimizer
 
 from multiloss import lightning_internals as internals
+from multiloss.base.learning_rate import RatePlan, apply_rule
+from multiloss.base.schedules import build_schedule
 from multiloss.components import OptimizerFactory
 from multiloss.config import ConfigError
-from multiloss.learning_rate import RatePlan, apply_rule
-from multiloss.schedules import build_schedule
 
 
 class RecipeOptimizers(L.LightningModule):
@@ -47,7 +47,7 @@ class RecipeOptimizers(L.LightningModule):
     def with_schedule(self, optimizer: Optimizer, key: str = "model.optimizer") -> Any:
         """``optimizer`` (config key ``key``) at the recipe's rate rule, with its ``model.scheduler`` schedule, as
         ``configure_optimizers`` returns them; its `RatePlan` kept for checkpoints and resumes
-        (`multiloss.learning_rate`). Outside a Trainer the optimizer alone, at its configured rates."""
+        (`multiloss.base.learning_rate`). Outside a Trainer the optimizer alone, at its configured rates."""
         trainer = internals.attached_trainer(self)
         if trainer is None:
             return optimizer

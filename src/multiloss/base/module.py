@@ -20,16 +20,17 @@ import lightning as L
 import torch
 
 from multiloss import lightning_internals as internals
-from multiloss import precision, sharding
+from multiloss.base import precision
+from multiloss.base.logging import RecipeLogging
+from multiloss.base.optimizers import RecipeOptimizers
+from multiloss.base.schedules import StepOnValidation
+from multiloss.base.step import OptimizerStep, check_step_options, ends_optimizer_step, refuse_lightning_step_options
+from multiloss.base.training_log import TrainingLogWriter
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
 from multiloss.components import compile_in_place, name_of, to_plain
-from multiloss.parallelism import Parallelism, parallelism_of
-from multiloss.recipe_logging import RecipeLogging
-from multiloss.recipe_optimizers import RecipeOptimizers
-from multiloss.schedules import StepOnValidation
-from multiloss.step import OptimizerStep, check_step_options, ends_optimizer_step, refuse_lightning_step_options
-from multiloss.training_log import TrainingLogWriter
+from multiloss.parallel import sharding
+from multiloss.parallel.parallelism import Parallelism, parallelism_of
 
 
 class Recipe(RecipeOptimizers, RecipeLogging):
@@ -72,7 +73,8 @@ class Recipe(RecipeOptimizers, RecipeLogging):
 
     def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
         """The components whose step differentiates their parameters more than once (a gradient balancer's per-task
-        gradients, a gradient penalty): under FSDP2 held whole for their step (`multiloss.sharding.LocalGradients`)."""
+        gradients, a gradient penalty): under FSDP2 held whole for their step
+        (`multiloss.parallel.sharding.LocalGradients`)."""
         return ()
 
     def not_compilable(self, name: str) -> str:
@@ -154,7 +156,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Lightning's, and a sharded run's checkpoint directory too (read whole first)."""
-        from multiloss.checkpoints import whole_checkpoint_file
+        from multiloss.saving.checkpoints import whole_checkpoint_file
 
         with whole_checkpoint_file(checkpoint_path) as path:
             return super().load_from_checkpoint(path, *args, **kwargs)
@@ -217,7 +219,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         """``with self.step_of(opt, batch_idx) as step: ... step.backward(loss)``: this micro-batch of ``optimizer``'s
         step, which steps on every ``accumulate_grad_batches``-th training batch and an epoch's last (``stepping``: the
         recipe decides, tbptt's chunks); the sync, the division by k, clipping, the step, zeroing and the schedule are
-        the block's (`multiloss.step.OptimizerStep`)."""
+        the block's (`multiloss.base.step.OptimizerStep`)."""
         if stepping is None:
             stepping = ends_optimizer_step(self, batch_idx)
         return OptimizerStep(
@@ -231,7 +233,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         """Lightning's ``clip_gradients`` at ``model.gradient_clip_val`` (nothing when unset), on the true gradients
-        under 16-mixed (`multiloss.precision`)."""
+        under 16-mixed (`multiloss.base.precision`)."""
         value = self.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
         if value is None:
             return

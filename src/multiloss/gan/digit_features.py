@@ -6,7 +6,7 @@ trains its own once, on scikit-learn's shipped digits (deterministic: full-batch
 float64), and ships the weights, versioned: ``assets/digit_features_v<VERSION>.pt``. Numbers computed in
 this space compare with numbers computed in the same version only (say the version with them).
 
-    python -m multiloss.digit_features    # retrain and write the weights (a new VERSION for other weights)
+    python -m multiloss.gan.digit_features    # retrain and write the weights (a new VERSION for other weights)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 VERSION = 1
-WEIGHTS = Path(__file__).with_name("assets") / f"digit_features_v{VERSION}.pt"
+WEIGHTS = Path(__file__).parents[1] / "assets" / f"digit_features_v{VERSION}.pt"  # multiloss/assets
 DIGEST = "d20907687b466eea"  # sha256 (16 hex) of VERSION's weights, as `main` wrote them (twice alike, torch 2.13 CPU)
 FEATURES = 64  # the hidden layer's width: the metrics' feature space
 PIXELS = 64  # one 8 × 8 digit

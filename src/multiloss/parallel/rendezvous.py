@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from multiloss import lightning_internals as internals
-from multiloss.stalls import CollectiveStalled
+from multiloss.parallel.stalls import CollectiveStalled
 
 JOINED = "multiloss/rendezvous/joined"
 NOTICE_AFTER_S = 5.0  # a one-node job meets in well under this; past it, a rank is missing

@@ -1,6 +1,6 @@
 """Sample quality that runs offline: FID, KID, precision/recall/density/coverage, stacked-digit modes.
 
-All in one feature space: the shipped digits classifier's hidden layer (`multiloss.digit_features`, versioned)
+All in one feature space: the shipped digits classifier's hidden layer (`multiloss.gan.digit_features`, versioned)
 by default, or Inception's (``feature: inception``: torchmetrics' own network, where its weights are present).
 FID and KID are torchmetrics' (``FrechetInceptionDistance`` / ``KernelInceptionDistance`` with ``feature=`` the
 module); precision, recall, density and coverage (Naeem et al. 2020) are the authors' ``prdc`` package
@@ -23,7 +23,7 @@ from torchmetrics.image.kid import KernelInceptionDistance
 from torchmetrics.utilities import dim_zero_cat
 
 from multiloss.config import ConfigError, require, require_options
-from multiloss.digit_features import PIXELS, VERSION, DigitFeatures
+from multiloss.gan.digit_features import PIXELS, VERSION, DigitFeatures
 
 FEATURES = ("digits", "inception")
 

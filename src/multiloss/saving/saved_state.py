@@ -6,7 +6,7 @@ callback's own state: `RngState`'s ``rng``, ModelCheckpoint's), ``hyper_paramete
 there; a module that reads or writes one imports its name from here, so a new key is declared here
 first. The format question — a checkpoint is a file (one device, DDP) or a sharded directory
 (FSDP2: ``.distcp`` shards, ``.metadata`` and ``meta.pt``) — is answered here too
-(`is_sharded_checkpoint`); reading either whole is `multiloss.checkpoints`'.
+(`is_sharded_checkpoint`); reading either whole is `multiloss.saving.checkpoints`'.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ OVERRIDES_KEY = "multiloss_overrides"  # its command-line overrides: multiloss-e
 CONFIG_DIRS_KEY = "multiloss_config_dirs"  # the config dirs it added (--config-dir)
 SPLIT_KEY = "multiloss_data_split"  # its data split (val_fraction, test_fraction, split_seed)
 BATCHES_KEY = "multiloss_batches"  # the per-rank batch size and the ranks its position in the epoch is counted in
-HISTORY_KEY = "multiloss_metrics_csv"  # its metrics.csv, continued by a resumed run (multiloss.history)
-# The step's state (multiloss.learning_rate, multiloss.multitask, the recipes).
+HISTORY_KEY = "multiloss_metrics_csv"  # its metrics.csv, continued by a resumed run (multiloss.saving.history)
+# The step's state (multiloss.base.learning_rate, multiloss.base.multitask, the recipes).
 LR_KEY = "multiloss_learning_rates"  # each optimizer's RatePlan: configured rate × rule × schedule factor
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names the balancer was built for (built before the weights load)
 OLD_HEAD_COUNT_KEY = "multihead_heads"  # read only: multihead's head count in checkpoints older than TASKS_KEY
@@ -42,8 +42,8 @@ SAVED_KEYS = (
     SavedKey(SPLIT_KEY, "multiloss.callbacks.run_record"),
     SavedKey(BATCHES_KEY, "multiloss.callbacks.run_record"),
     SavedKey(HISTORY_KEY, "multiloss.callbacks.run_record"),
-    SavedKey(LR_KEY, "multiloss.learning_rate"),
-    SavedKey(TASKS_KEY, "multiloss.multitask"),
+    SavedKey(LR_KEY, "multiloss.base.learning_rate"),
+    SavedKey(TASKS_KEY, "multiloss.base.multitask"),
     SavedKey(NOISE_KEY, "multiloss.recipes.gan"),
     SavedKey(D_STEPS_KEY, "multiloss.recipes.gan"),
     SavedKey(VOCABULARY_KEY, "multiloss.recipes.tbptt"),

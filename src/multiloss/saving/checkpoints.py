@@ -32,7 +32,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from multiloss.config import ConfigError, require
-from multiloss.saved_state import is_sharded_checkpoint
+from multiloss.saving.saved_state import is_sharded_checkpoint
 
 
 class CheckpointWriteError(RuntimeError):

@@ -169,7 +169,7 @@ def lazy_ratio(every: int) -> float:
 
 def correct_betas(optimizer: torch.optim.Optimizer, ratio: float) -> None:
     """Each param group's betas raised to ``ratio`` (`lazy_ratio`), in place; groups without betas are left alone.
-    (The learning rate's share of the correction is the recipe's rate rule: `multiloss.learning_rate`.)"""
+    (The learning rate's share of the correction is the recipe's rate rule: `multiloss.base.learning_rate`.)"""
     for group in optimizer.param_groups:
         if "betas" in group:
             group["betas"] = tuple(beta**ratio for beta in group["betas"])

@@ -3,7 +3,7 @@
 Lightning's launcher re-runs ``sys.argv``; under ``python train.py -m seed=1,2 trainer=ddp_cpu`` that is the whole
 sweep, so every job's child ranks would launch the sweep again. A child runs the job: its own overrides (``seed=1``)
 and its own output dir (the sweep subdir), as a plain run. Nothing here imports torch: the ranks are started before
-the imports too (`multiloss.early_ranks`).
+the imports too (`multiloss.parallel.early_ranks`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def job_command(local_rank: int) -> tuple[Sequence[str], str]:
     for i, arg in enumerate(args):
         if arg.split("=")[0] in ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"):
             command += [arg] if "=" in arg else [arg, args[i + 1]]
-    # The option dirs a resumed run took from its checkpoint (`multiloss.run_dir.run_overrides`) are a Hydra override.
+    # The option dirs a resumed run took from its checkpoint (`multiloss.saving.run_dir.run_overrides`) are a Hydra
+    # override.
     command += [o for o in hydra_cfg.overrides.hydra if o.startswith("hydra.searchpath=")]
     command += list(hydra_cfg.overrides.task)
     command += [

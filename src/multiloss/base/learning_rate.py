@@ -3,7 +3,7 @@
 Three things set a learning rate, and each owns one factor of it:
 
 - the **base**: the optimizer's config (``model.optimizer.lr``, per param group);
-- the **rule**: the recipe's factor (accumulation's scaling by the effective batch, `multiloss.lr_scaling`;
+- the **rule**: the recipe's factor (accumulation's scaling by the effective batch, `multiloss.base.lr_scaling`;
   1 in the other recipes), applied once, when the optimizer is built;
 - the **schedule**: ``model.scheduler``, a ``torch.optim.lr_scheduler`` that starts from base × rule
   (its ``base_lrs``) and moves the rate by its own factor as the run goes (warm-up, decay, a plateau's cuts).
@@ -24,9 +24,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from multiloss import lightning_internals as internals
+from multiloss.base.schedules import CONSTANT, factor_at
 from multiloss.config import ConfigError
-from multiloss.saved_state import LR_KEY
-from multiloss.schedules import CONSTANT, factor_at
+from multiloss.moved import current_name
+from multiloss.saving.saved_state import LR_KEY
 
 log = logging.getLogger("multiloss")
 
@@ -40,6 +41,11 @@ class RatePlan:
     rule: float = 1.0
     rule_inputs: dict[str, Any] = field(default_factory=dict)  # what the rule was computed from, for the messages
     schedule: dict[str, Any] = field(default_factory=lambda: {"_target_": CONSTANT})  # as built, lengths resolved
+
+    def __post_init__(self) -> None:
+        # A checkpoint of an earlier layout names its schedule class at the module's old path.
+        if isinstance(target := self.schedule.get("_target_"), str):
+            self.schedule = {**self.schedule, "_target_": current_name(target)}
 
     @property
     def scheduled(self) -> bool:

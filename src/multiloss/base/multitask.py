@@ -2,7 +2,7 @@
 
 The balancer (``model.balancer``, `multiloss.balancers`) is built once the recipe knows its tasks'
 names and configured weights (`set_tasks`: by the component check, or by a checkpoint that names
-them, `multiloss.saved_state.TASKS_KEY`, before the weights load). It sits first among the recipe's
+them, `multiloss.saving.saved_state.TASKS_KEY`, before the weights load). It sits first among the recipe's
 modules, so its parameters come first in the optimizer. A step hands its task losses to `balance`,
 which shows them to the callbacks that watch them (`TaskLossObserver`: ``monitor=conflicts``), runs
 the balancer protocol (`multiloss.balancers.balance`) and logs adaptive weights; the recipe then
@@ -21,9 +21,9 @@ from torch import nn
 from multiloss.balancers import Balanced, Balancer, balance
 from multiloss.balancers.build import build_balancer, check_sharded_balancer, rule_on_each_rank
 from multiloss.balancers.protocol import save_balancer_state, shared_parameters
+from multiloss.base.module import Recipe
 from multiloss.components import to_plain
-from multiloss.module import Recipe
-from multiloss.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY
+from multiloss.saving.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY
 
 
 class TaskLossObserver(L.Callback):

@@ -1,7 +1,7 @@
 """Learning-rate schedules: the ``scheduler`` group (``model.scheduler``), stepped in each recipe's training step.
 
 Under manual optimization Lightning steps no scheduler, so each recipe's ``training_step`` does,
-right after the optimizer step it belongs to (`multiloss.step.step_schedules`).
+right after the optimizer step it belongs to (`multiloss.base.step.step_schedules`).
 Each schedule says when it steps (its ``interval``): ``"step"`` after every optimizer step,
 ``"epoch"`` at each epoch's last batch (so a checkpoint taken at an epoch's end already holds the
 next epoch's rate, and a resume from it continues exactly), ``"validation"`` when a validation
@@ -27,7 +27,7 @@ from multiloss.components import accepts, build_callable
 from multiloss.config import ConfigError, require
 from multiloss.lean_callback import LeanCallback
 
-CONSTANT = "multiloss.schedules.Constant"
+CONSTANT = "multiloss.base.schedules.Constant"
 
 
 class Constant(LambdaLR):

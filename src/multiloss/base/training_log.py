@@ -191,7 +191,7 @@ class TrainingLog:
 
         Written the way Lightning's LearningRateMonitor writes its rates (``logger.log_metrics`` at
         the logging step), not through ``self.log``. One host read per group; the learning rates the
-        recipe adds on a row's batch (`multiloss.module.Recipe.log_learning_rates`) share the row.
+        recipe adds on a row's batch (`multiloss.base.module.Recipe.log_learning_rates`) share the row.
         """
         row: dict[str, float] = {}
         for names, rows in self.groups.items():

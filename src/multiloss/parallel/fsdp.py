@@ -2,8 +2,8 @@
 
 Lightning's `ModelParallelStrategy` with every rank data-parallel, ranks started as Hydra jobs, the
 torchrun join, the no-sync block of a micro-batch that does not step, and a checkpoint directory put in
-place whole. What it does to the recipe's networks is `multiloss.sharding`'s (through
-`multiloss.parallelism.Sharded`).
+place whole. What it does to the recipe's networks is `multiloss.parallel.sharding`'s (through
+`multiloss.parallel.parallelism.Sharded`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from multiloss import lightning_internals as internals
-from multiloss.distributed import HydraJobStrategy
-from multiloss.rendezvous import start_process_group
-from multiloss.sharding import HELD_WHOLE
+from multiloss.parallel.ddp import HydraJobStrategy
+from multiloss.parallel.rendezvous import start_process_group
+from multiloss.parallel.sharding import HELD_WHOLE
 
 
 class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
@@ -37,7 +37,7 @@ class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
         # cores (rank 1 ran on all of them: oversubscribed, and its matmuls summed in another order than DDP's).
         internals.set_threads_per_rank(self.num_processes)
         # ModelParallelStrategy starts its process group here (its _setup_distributed), not in setup_distributed:
-        # ours first, its ranks met with a bounded wait (multiloss.rendezvous).
+        # ours first, its ranks met with a bounded wait (multiloss.parallel.rendezvous).
         start_process_group(self)
         internals.use_data_parallel_world(self)  # data_parallel_size: all ranks (Lightning's "auto": the nodes)
         super().setup_environment()
@@ -64,10 +64,10 @@ class FSDPStrategy(HydraJobStrategy, ModelParallelStrategy):
         Written in place, a save cut short (a kill, a full disk) left old and new shards mixed under the old
         ``.metadata``; and a file ``last.ckpt`` (the run continued from a DDP or one-device run) was deleted by each
         rank in turn before the shards went in. Here the checkpoint is the old one or the new one (a file or a
-        directory, either way: `multiloss.checkpoints.replace`). Every rank calls it (Lightning saves on all)."""
+        directory, either way: `multiloss.saving.checkpoints.replace`). Every rank calls it (Lightning saves on all)."""
         if not internals.saves_distributed_checkpoint(self):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        from multiloss.checkpoints import replace
+        from multiloss.saving.checkpoints import replace
 
         target = Path(self.broadcast(str(filepath)))
         staging = target.with_name(f".{target.name}.partial")

@@ -2,11 +2,11 @@
 
 The one place that answers "is this run sharded?" (`Parallelism.sharded`), and the one owner of what a
 recipe's step needs from the parallel engine: the no-sync block of a micro-batch that does not step,
-the components held whole for their step under FSDP2 (`multiloss.sharding.LocalGradients`), the
+the components held whole for their step under FSDP2 (`multiloss.parallel.sharding.LocalGradients`), the
 networks' sharding at ``configure_model``, the averaging of a balancer's unsharded gradients before each
 optimizer step. `strategy_of` puts multiloss's own strategies (Hydra-job launching, one DDP wrapper per
 network, FSDP2 with all ranks data-parallel) in place of Lightning's, once, when the Trainer is built.
-The strategies themselves (`multiloss.distributed.DDPStrategy`, `multiloss.fsdp.FSDPStrategy`) own
+The strategies themselves (`multiloss.parallel.ddp.DDPStrategy`, `multiloss.parallel.fsdp.FSDPStrategy`) own
 the launch, the torchrun join and the teardown.
 """
 
@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import lightning as L
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from multiloss import early_ranks, sharding
 from multiloss import lightning_internals as internals
+from multiloss.parallel import early_ranks, sharding
 
 NOTHING = contextlib.nullcontext()  # reusable: a block that changes nothing
 _ATTRIBUTE = "_multiloss_parallelism"  # where a strategy keeps the one Parallelism chosen for it
@@ -63,7 +63,8 @@ class Parallelism:
 
 
 class Sharded(Parallelism):
-    """FSDP2: every network sharded on its own (`multiloss.sharding`); each rank draws and evaluates through gathers."""
+    """FSDP2: every network sharded on its own (`multiloss.parallel.sharding`); each rank draws and evaluates through
+    gathers."""
 
     sharded = True
 
@@ -103,9 +104,10 @@ def parallelism_of(trainer: L.Trainer | None) -> Parallelism:
 
 def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
     """The Trainer ``build(**overrides)`` makes, on multiloss's strategy for the engine it picked: whatever ends in
-    Lightning's DDP runs as `multiloss.distributed.DDPStrategy` (built again with it); both it and
-    `multiloss.fsdp.FSDPStrategy` start their ranks as Hydra jobs (`multiloss.distributed.HydraJobLauncher`)."""
-    from multiloss.distributed import HydraJobLauncher, HydraJobStrategy, multiloss_ddp
+    Lightning's DDP runs as `multiloss.parallel.ddp.DDPStrategy` (built again with it); both it and
+    `multiloss.parallel.fsdp.FSDPStrategy` start their ranks as Hydra jobs
+    (`multiloss.parallel.ddp.HydraJobLauncher`)."""
+    from multiloss.parallel.ddp import HydraJobLauncher, HydraJobStrategy, multiloss_ddp
 
     trainer = build()
     if (ddp := multiloss_ddp(trainer, requested)) is not None:
@@ -113,6 +115,7 @@ def strategy_of(build: Callable[..., L.Trainer], requested: Any) -> L.Trainer:
     launches_hydra_jobs = isinstance(trainer.strategy, HydraJobStrategy)
     if launches_hydra_jobs:
         internals.use_launcher(trainer.strategy, HydraJobLauncher)
-    # Ranks started before the imports (multiloss.early_ranks) that this strategy will not take over: stopped now.
+    # Ranks started before the imports (multiloss.parallel.early_ranks) that this strategy will not take over: stopped
+    # now.
     early_ranks.settle(trainer.strategy, launches_hydra_jobs)
     return trainer

@@ -31,13 +31,13 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multiloss import early_ranks
 from multiloss import lightning_internals as internals
-from multiloss.child_command import job_command
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.rendezvous import start_process_group
-from multiloss.stalls import is_stall, note_stall
+from multiloss.parallel import early_ranks
+from multiloss.parallel.child_command import job_command
+from multiloss.parallel.rendezvous import start_process_group
+from multiloss.parallel.stalls import is_stall, note_stall
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
 
@@ -60,7 +60,7 @@ def synced(module: L.LightningModule, name: str) -> nn.Module:
 
 class HydraJobLauncher(internals.ScriptLauncher):
     """Lightning's script launcher, starting each child with `job_command` (the Hydra job, not the command line), or
-    taking over the ranks `multiloss.early_ranks` started with the same command before the imports.
+    taking over the ranks `multiloss.parallel.early_ranks` started with the same command before the imports.
 
     After the job it leaves the launching process as it found it, so the next job of a sweep in
     the same process launches its own ranks again (see `finish`).
@@ -116,10 +116,11 @@ class HydraJobLauncher(internals.ScriptLauncher):
 
 class HydraJobStrategy:
     """What multiloss's strategies share: ranks started as Hydra jobs (`HydraJobLauncher`, installed by
-    `multiloss.parallelism.strategy_of`), a failure noted for the launcher, the child ranks waited for at teardown."""
+    `multiloss.parallel.parallelism.strategy_of`), a failure noted for the launcher, the child ranks waited for at
+    teardown."""
 
     launcher: Any
-    # Seconds the ranks wait for each other before the process group is made (`multiloss.rendezvous`).
+    # Seconds the ranks wait for each other before the process group is made (`multiloss.parallel.rendezvous`).
     rendezvous_timeout: float = 300.0
 
     def on_exception(self, exception: BaseException) -> None:
