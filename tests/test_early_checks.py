@@ -31,8 +31,13 @@ def test_the_tests_read_strictly():
 
 
 def _early(cfg) -> str | None:
+    """What `python train.py` says of ``cfg`` before the imports (`multiloss.cli.check_before_imports`)."""
+    from multiloss.saving.run_dir import checkpoint_to_resume
+
+    cfg = copy.deepcopy(cfg)
     try:
-        check_early(copy.deepcopy(cfg))
+        check_early(cfg)
+        checkpoint_to_resume(cfg)
     except ConfigError as err:
         return err.message
     return None
@@ -41,13 +46,13 @@ def _early(cfg) -> str | None:
 def _run(cfg) -> str | None:
     """What the run says of ``cfg`` before it fits: `multiloss.train`'s checks, nothing written."""
     from multiloss.config import check_config
-    from multiloss.saving.run_dir import resume_from
+    from multiloss.saving.run_dir import checkpoint_to_resume
     from multiloss.training import prepare
 
     cfg = copy.deepcopy(cfg)
     try:
-        cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))
         check_config(cfg)
+        checkpoint_to_resume(cfg)
         prepare(cfg)
     except ConfigError as err:
         return err.message

@@ -169,9 +169,11 @@ def check_before_imports(cfg: DictConfig) -> None:
     """`multiloss.config.early.check_early`, a mistake reported as `run` reports one (exit 2, nothing left behind)."""
     from multiloss.config import ConfigError, source
     from multiloss.config.early import check_early
+    from multiloss.saving.run_dir import checkpoint_to_resume
 
     try:
         check_early(cfg)
+        checkpoint_to_resume(cfg)  # as `train` does
     except ConfigError as err:
         if not os.environ.get("SUBMITIT_EXECUTOR"):
             _remove_if_empty(cfg)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.config import ConfigError, check_config, require
-from multiloss.saving.run_dir import run_overrides, stored_entries
+from multiloss.saving.run_dir import require_checkpoint, run_overrides, stored_entries
 from multiloss.saving.saved_state import SPLIT_KEY
 
 log = logging.getLogger("multiloss")
@@ -42,6 +42,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
     check_config(cfg)
     require(bool(cfg.get("ckpt_path")), "ckpt_path", cfg.get("ckpt_path"), "the checkpoint to evaluate (a .ckpt file)")
+    require_checkpoint(cfg.ckpt_path)
     if rank_zero_only.rank == 0:  # ranks started for this evaluation find the dir rank zero made
         refuse_a_runs_dir(cfg.paths.output_dir)
     datamodule, model = build_data_and_model(cfg)

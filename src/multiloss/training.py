@@ -18,7 +18,7 @@ from multiloss.parallel.parallelism import parallelism_of
 from multiloss.parallel.stalls import explain_stall, is_stall, last_checkpoint
 from multiloss.pitfalls import explain
 from multiloss.saving.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
-from multiloss.saving.run_dir import claimed, launch_rank_zero, resume_from
+from multiloss.saving.run_dir import checkpoint_to_resume, claimed, launch_rank_zero
 from multiloss.saving.saved_state import BATCHES_KEY
 
 log = logging.getLogger("multiloss")
@@ -30,8 +30,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Every user error surfaces as `ConfigError` before the first file is written, so a rejected
     run leaves an earlier run's files in the same directory untouched.
     """
-    cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))
     check_config(cfg)
+    checkpoint_to_resume(cfg)
     # The job's rank zero locks the run dir before anything is written: a second run started into the same dir at
     # the same instant is refused and touches nothing (whether the dir holds another run's checkpoints is judged
     # when training starts, by every rank: RunRecord, after the checks that name a mistake in the config).

@@ -39,9 +39,6 @@ def check_early(cfg: DictConfig) -> None:
 
 
 def _check_early(cfg: DictConfig) -> None:
-    from multiloss.saving.run_dir import resume_from
-
-    cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))  # as `train` does, first
     check_config(cfg, early=True)
     _check_arguments("data", cfg.data)
     recipe = _check_arguments("model", cfg.model)

@@ -103,17 +103,6 @@ def check_config(cfg: DictConfig, early: bool = False) -> None:
     )
     _check_accelerator(cfg.trainer.get("accelerator"), early)
     _check_schedule_lengths(cfg, read)
-    ckpt = cfg.get("ckpt_path")
-    if ckpt is not None:
-        from multiloss.saving.saved_state import checkpoint_exists
-
-        require(
-            checkpoint_exists(ckpt),
-            "ckpt_path",
-            ckpt,
-            "the path of an existing checkpoint (a .ckpt file, or a sharded run's .ckpt directory)",
-            "no such checkpoint",
-        )
 
 
 def _check_schedule_lengths(cfg: DictConfig, read: Callable[[str], Target | None]) -> None:

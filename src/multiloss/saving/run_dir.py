@@ -50,6 +50,23 @@ def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
     return ckpt_path
 
 
+def checkpoint_to_resume(cfg: Any) -> None:
+    """``cfg.ckpt_path`` set to the checkpoint the run starts from (`resume_from`), refused when there is none."""
+    cfg.ckpt_path = resume_from(cfg.paths.output_dir, cfg.get("ckpt_path"))
+    require_checkpoint(cfg.get("ckpt_path"))
+
+
+def require_checkpoint(ckpt: str | None) -> None:
+    """`ConfigError` naming ``ckpt_path`` unless it is None or an existing checkpoint (a file or a sharded dir)."""
+    if ckpt is not None and not checkpoint_exists(ckpt):
+        raise ConfigError(
+            "ckpt_path",
+            ckpt,
+            "the path of an existing checkpoint (a .ckpt file, or a sharded run's .ckpt directory)",
+            "no such checkpoint",
+        )
+
+
 def check_run_dir(output_dir: str | Path, ckpt_path: str | None, overwrite: bool) -> None:
     """Raise `ConfigError` if ``output_dir`` holds another run's checkpoints (reads only; call it early)."""
     checkpoints = Path(output_dir) / "checkpoints"
