@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Literal
 
 import lightning as L
@@ -24,32 +23,29 @@ from multiloss import lightning_internals as internals
 from multiloss.base.module import Recipe
 from multiloss.config import ConfigError
 from multiloss.config.errors import error_from_lightning
-from multiloss.config.parallel import check_sharded_run
-from multiloss.parallel.parallelism import strategy_of
+from multiloss.parallel.parallelism import engine
 from multiloss.saving.checkpoints import AtomicCheckpointIO
 
 
-def build_trainer(cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train") -> L.Trainer:
-    """The Trainer of ``cfg.trainer`` with its loggers and every callback of a run (`run_callbacks`)."""
-    # A precision the CPU cannot shard in, before Lightning's own refusal.
-    check_sharded_run(cfg.trainer, cuda_available=torch.cuda.is_available())
+def build_trainer(
+    cfg: DictConfig, purpose: Literal["train", "evaluate"] = "train", recipe: L.LightningModule | None = None
+) -> L.Trainer:
+    """The Trainer of ``cfg.trainer`` with its loggers and every callback of a run (`run_callbacks`); ``recipe``:
+    the module it will train, checked against the engine (what FSDP2 cannot do in its step)."""
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.saving.checkpoints).
     plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
-    # Whatever ends in Lightning's DDP (strategy=ddp, an alias, or auto with several devices) runs as
-    # multiloss's DDPStrategy: Hydra-job children, one wrapper per network for multi-optimizer recipes.
-    trainer = strategy_of(
+    # One device, DDP or FSDP2, decided here once (multiloss.parallel.parallelism.engine): whatever ends in Lightning's
+    # DDP runs as multiloss's DDPStrategy (Hydra-job children, one wrapper per network), FSDP2 as its FSDPStrategy.
+    trainer = engine(
+        cfg,
         lambda **strategy: _build(
             "trainer", cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins, **strategy
         ),
-        cfg.trainer.get("strategy"),
+        cuda_available=torch.cuda.is_available(),
+        recipe=recipe,
     )
-    strategy_node = cfg.trainer.get("strategy")
-    if not (isinstance(strategy_node, DictConfig) and "timeout" in strategy_node):  # a strategy's own timeout wins
-        internals.set_process_group_timeout(trainer.strategy, timedelta(seconds=cfg.get("collective_timeout", 1800)))
-    if hasattr(trainer.strategy, "rendezvous_timeout"):  # multiloss's strategies: the ranks meet before the group
-        trainer.strategy.rendezvous_timeout = float(cfg.get("rendezvous_timeout", 300))
     internals.resume_epoch_ends_exactly(trainer)  # trainer.max_steps set or not
     return trainer
 

@@ -6,15 +6,12 @@ import logging
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from multiloss.base.module import Recipe
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.callbacks.run_record import RunRecord
 from multiloss.config import ConfigError, check_config
 from multiloss.config.errors import error_from_lightning
-from multiloss.parallel.parallelism import parallelism_of
 from multiloss.parallel.stalls import explain_stall, is_stall, last_checkpoint
 from multiloss.pitfalls import explain
 from multiloss.saving.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
@@ -43,16 +40,9 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
     """The data module, the recipe and the Trainer of a checked config, and every check `train` makes of them before
     ``fit`` (the streams against the ranks, what sharding refuses, the checkpoint to resume)."""
     datamodule, model = build_data_and_model(cfg)
-    trainer = build_trainer(cfg, "train")
+    trainer = build_trainer(cfg, "train", model)  # what FSDP2 cannot do in this recipe refused there
     if (streams := getattr(datamodule, "streams", None)) is not None:
         streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
-    if isinstance(model, Recipe) and parallelism_of(trainer).sharded:
-        model.check_sharding(trainer)  # what FSDP2 cannot do, before training starts (every rank, one message)
-    elif isinstance(model, Recipe) and (model.fsdp["shard"] is not None or model.fsdp["checkpoint"]):
-        rank_zero_warn(
-            f"model.fsdp={dict(model.fsdp)} applies under trainer=fsdp / fsdp_cpu only: "
-            f"{type(trainer.strategy).__name__} ignores it"
-        )
     if cfg.get("ckpt_path"):
         checkpoint = verify_checkpoint(cfg.ckpt_path, model)
         refuse_a_bound_already_reached(checkpoint, trainer.max_steps, trainer.max_epochs)

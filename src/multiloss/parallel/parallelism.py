@@ -55,6 +55,16 @@ class Parallelism:
             stack.enter_context(component.step(stepping))
         return stack
 
+    def check(self, recipe: Any, trainer: L.Trainer) -> None:
+        """What this engine says of ``recipe`` before training: nothing to refuse; its FSDP2 options unused."""
+        if recipe.fsdp["shard"] is not None or recipe.fsdp["checkpoint"]:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"model.fsdp={dict(recipe.fsdp)} applies under trainer=fsdp / fsdp_cpu only: "
+                f"{type(trainer.strategy).__name__} ignores it"
+            )
+
     def prepare(self, recipe: Any) -> None:
         """Lightning's ``configure_model``: the networks made ready for this engine (FSDP2: sharded, once)."""
 
@@ -67,6 +77,9 @@ class Sharded(Parallelism):
     gathers."""
 
     sharded = True
+
+    def check(self, recipe: Any, trainer: L.Trainer) -> None:
+        recipe.check_sharding(trainer)  # what FSDP2 cannot do in this recipe's step
 
     def prepare(self, recipe: Any) -> None:
         if (before := getattr(recipe, _ATTRIBUTE, None)) is not None:  # fitted again: sharded once, its held kept
@@ -90,14 +103,48 @@ class Sharded(Parallelism):
         sharding.average_unsharded_gradients(optimizer, mean_over_ranks)
 
 
+def engine(cfg: Any, build: Callable[..., L.Trainer], cuda_available: bool, recipe: Any = None) -> L.Trainer:
+    """The run's parallel engine, decided once from its composed config, and the Trainer that runs on it.
+
+    A sharded run's refusals first (`multiloss.config.parallel.check_sharded_run`, which the check before the imports
+    makes from the same config), then the Trainer ``build(**overrides)`` makes on multiloss's strategy
+    (`strategy_of`), its collectives' and its rendezvous' timeouts, the `Parallelism` every later reader gets from it
+    (`parallelism_of`: the recipe's step, the sample writers) without deciding again, and what it says of
+    ``recipe`` (a multiloss `Recipe` to train): FSDP2's refusals of its step, before training starts (every rank, one
+    message), or the ``model.fsdp`` options another engine ignores.
+    """
+    from datetime import timedelta
+
+    from multiloss.config.parallel import check_sharded_run
+
+    check_sharded_run(cfg.trainer, cuda_available=cuda_available)
+    trainer = strategy_of(build, cfg.trainer.get("strategy"))
+    strategy = trainer.strategy
+    node = cfg.trainer.get("strategy")
+    if not (hasattr(node, "get") and node.get("timeout") is not None):  # a strategy's own timeout wins
+        internals.set_process_group_timeout(strategy, timedelta(seconds=cfg.get("collective_timeout", 1800)))
+    if hasattr(strategy, "rendezvous_timeout"):  # multiloss's strategies: the ranks meet before the group is made
+        strategy.rendezvous_timeout = float(cfg.get("rendezvous_timeout", 300))
+    decided = _decided(strategy)
+    setattr(strategy, _ATTRIBUTE, decided)
+    if recipe is not None and hasattr(recipe, "check_sharding"):
+        decided.check(recipe, trainer)
+    return trainer
+
+
+def _decided(strategy: Any) -> Parallelism:
+    return (Sharded if isinstance(strategy, ModelParallelStrategy) else Parallelism)(strategy)
+
+
 def parallelism_of(trainer: L.Trainer | None) -> Parallelism:
-    """The `Parallelism` of ``trainer``'s strategy (chosen once, kept on the strategy); one device without a Trainer."""
+    """The `Parallelism` `engine` decided for ``trainer`` (kept on its strategy); one device without a Trainer, and
+    decided here, once, for a Trainer built elsewhere (a user's own, `Recipe` used outside `multiloss.train`)."""
     if trainer is None:
         return Parallelism(None)
     strategy = trainer.strategy
     chosen = getattr(strategy, _ATTRIBUTE, None)
     if chosen is None:
-        chosen = (Sharded if isinstance(strategy, ModelParallelStrategy) else Parallelism)(strategy)
+        chosen = _decided(strategy)
         setattr(strategy, _ATTRIBUTE, chosen)
     return chosen
 
