@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -625,7 +626,7 @@ def test_nodes_that_never_start_are_named_within_seconds_and_the_wait_ends_in_on
     out = tmp_path / "run"
     started = time.monotonic()
     proc = run_cli(
-        *QUIET_RUN, *DDP, "trainer.num_nodes=2", "rendezvous_timeout=8", f"hydra.run.dir={out}", cwd=tmp_path
+        *QUIET_RUN, *DDP, "trainer.num_nodes=2", "rendezvous_timeout=12", f"hydra.run.dir={out}", cwd=tmp_path
     )
     took = time.monotonic() - started
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -633,9 +634,10 @@ def test_nodes_that_never_start_are_named_within_seconds_and_the_wait_ends_in_on
     assert len(said) == 2, proc.stderr[-3000:]
     waiting, stopped = said
     port = stopped.split("joined at 127.0.0.1:")[1].split()[0]
-    assert waiting.startswith("multiloss: waiting for the other ranks: 2 of 4 (trainer.num_nodes=2 × 2 processes)")
+    # After 5 s this node's second rank may still be starting on a busy machine: 1 or 2 of 4.
+    assert re.match(r"multiloss: waiting for the other ranks: [12] of 4 \(trainer.num_nodes=2 × 2 processes\)", waiting)
     assert f"MASTER_PORT={port}" in waiting and "srun" in waiting and "torchrun --nnodes" in waiting
-    assert stopped.startswith("multiloss: run stopped: 2 of 4 ranks") and "in 8 s (rendezvous_timeout)" in stopped
+    assert stopped.startswith("multiloss: run stopped: 2 of 4 ranks") and "in 12 s (rendezvous_timeout)" in stopped
     assert "Traceback" not in proc.stderr and "DistStoreError" not in proc.stderr
     assert took < 30, took
     assert not out.exists()  # stopped before the run wrote anything

@@ -35,14 +35,19 @@ class RecipeOptimizers(L.LightningModule):
         return 1.0, {}
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_factory is None:
+        return self.with_schedule(self.optimizer_of(self.optimizer_factory, self.parameters(), "model.optimizer"))
+
+    def optimizer_of(self, factory: OptimizerFactory | None, params: Any, key: str) -> Optimizer:
+        """``factory(params)``, the optimizer of config ``key``; `ConfigError` naming ``key`` without a factory."""
+        if factory is None:
             raise ConfigError(
-                "model.optimizer",
+                key,
                 None,
-                "an optimizer config (optimizer=adam|adamw|sgd), or a callable params -> Optimizer",
+                "an optimizer config (an option of the optimizer group: optimizer=adam|adamw|sgd, "
+                "optimizer@model.g_optimizer=adam_gan), or a callable params -> Optimizer",
                 "this module was built without one (fine for inference, not for training)",
             )
-        return self.with_schedule(self.optimizer_factory(self.parameters()))
+        return factory(params)
 
     def with_schedule(self, optimizer: Optimizer, key: str = "model.optimizer") -> Any:
         """``optimizer`` (config key ``key``) at the recipe's rate rule, with its ``model.scheduler`` schedule, as

@@ -199,6 +199,35 @@ class Augment(nn.Module):
         self.p.copy_((self.p + step).clamp(min=0))
         self.signs.zero_()
 
+    def seen_by(self, critic: Callable[[torch.Tensor], Any], uniforms: Callable[[int, int], Any]) -> Callable:
+        """``critic`` as D sees samples in training: through this augmentation, its random numbers ``uniforms(n,
+        draws)`` (the recipe's: from its noise stream, drawn per call for the global batch, sharded like the noise)."""
+        return lambda x: critic(self(x, uniforms(len(x), self.draws)))
+
+    def observe_scores(self, scores: torch.Tensor, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """ADA's r_t: these scores of (augmented) reals join the interval's sign sums, summed over the ranks (every
+        rank reaches this at the same point: each D micro-batch, and each lazy R1 micro-batch)."""
+        self.observe(sum_over_ranks(self.statistic(scores)))
+
+    def observing(self, critic: Callable, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+        """``critic`` whose scores also feed r_t: stylegan2-ada's ``Dr1`` phase reports the signs of the reals' logits
+        it differentiates (``Loss/signs/real``) as its ``Dmain`` phase does, and its heuristic averages both."""
+
+        def scored(x: torch.Tensor) -> Any:
+            scores = critic(x)
+            self.observe_scores(scores, sum_over_ranks)
+            return scores
+
+        return scored
+
+    def adapt_after(self, d_steps: int, images_a_step: int) -> bool:
+        """ADA after every ``ada_interval``-th D step (the interval's last: stylegan2-ada's ``batch_idx += 1`` comes
+        before its ``batch_idx % ada_interval == 0``): p moves by the sign of r_t − target; whether it did."""
+        if not self.adaptive or d_steps % self.ada_interval:
+            return False
+        self.adjust(images_a_step * self.ada_interval)
+        return True
+
     def extra_repr(self) -> str:
         return f"policy={self.policy}, p={float(self.p):.4g}, ada_target={self.ada_target}"
 

@@ -24,6 +24,7 @@ from torchmetrics.utilities import dim_zero_cat
 
 from multiloss.config import ConfigError, require, require_options
 from multiloss.gan.digit_features import PIXELS, VERSION, DigitFeatures
+from multiloss.metrics import ModeCoverage
 
 FEATURES = ("digits", "inception")
 
@@ -184,3 +185,49 @@ class SampleQuality(nn.Module):
         for metric in (self.fid, self.kid, self.prdc, self.modes):
             if metric is not None:
                 metric.reset()
+
+
+class ValidationScores:
+    """What a GAN's validation scores beyond its losses: the modes of a Gaussian mixture the samples hit, and the
+    quality metrics of ``model.metrics`` (`SampleQuality`). Built at set-up from the data's first batch, kept out of
+    the module tree (the feature network's weights are the shipped ones, not the run's: no checkpoint holds them)."""
+
+    def __init__(self, spec: dict | None, seed: int) -> None:
+        self.spec, self.seed = spec, seed
+        self.quality: SampleQuality | None = None
+        self.mode_coverage: ModeCoverage | None = None
+
+    def build(self, sample_shape: tuple[int, ...], datamodule: Any, device: torch.device) -> None:
+        """Made once, for samples of ``sample_shape``; mode coverage where the data has modes (``centers``)."""
+        if self.spec is not None and self.quality is None:
+            try:
+                # KID's subsets drawn from the run's seed unless model.metrics.seed says otherwise.
+                self.quality = SampleQuality(sample_shape, **{"seed": self.seed, **self.spec}).to(device)
+            except ConfigError as err:
+                raise err.under("model") from None
+        if (centers := getattr(datamodule, "centers", None)) is not None and self.mode_coverage is None:
+            self.mode_coverage = ModeCoverage(centers, datamodule.std).to(device)
+
+    def update(self, real: torch.Tensor, fake: torch.Tensor) -> None:
+        if self.mode_coverage is not None:
+            self.mode_coverage.update(fake)
+        if self.quality is not None:
+            self.quality.update(real, real=True)
+            self.quality.update(fake, real=False)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """Every score, then reset; called by every rank (the metrics gather their states), whatever its batches."""
+        scores: dict[str, torch.Tensor] = {}
+        for metric in (self.mode_coverage, self.quality):
+            if metric is not None:
+                scores.update(metric.compute())
+                metric.reset()
+        return scores
+
+    def log(self, module: Any, prefix: str) -> None:
+        """Every score (`compute`, on every rank) logged under ``prefix``. Equal on every rank already: nothing to
+        reduce (``rank_zero_only`` makes Lightning's reduction a no-op, no collective for one rank to issue alone;
+        ``sync_dist`` keeps its warning off)."""
+        for name, value in self.compute().items():
+            shown = name in ("modes", "high_quality", "fid")
+            module.log(f"{prefix}/{name}", value, prog_bar=shown, sync_dist=True, rank_zero_only=True)

@@ -160,6 +160,44 @@ def penalty(
     return squared_norm_penalty(critic(x), x, scaler)
 
 
+def discriminator_loss(
+    loss: str,
+    critic: Callable[[torch.Tensor], torch.Tensor],
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    eps: torch.Tensor | None,
+    penalty_taken: str,
+    penalty_weight: float,
+    scaler: Any = None,
+    observe_real: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """D's loss ``d`` and its terms (`discriminator_terms`), plus ``penalty_taken`` (gp, r1, r2; none) times
+    ``penalty_weight``; ``observe_real``: told D's scores of the reals (ADA's r_t).
+
+    R1 and R2 differentiate the very scores the loss is built from (stylegan2-ada's ``Dboth`` phase, R3GAN's step):
+    one D forward of the reals and one of the fakes, so with augmentation on the penalty is taken at the
+    augmentation D's loss saw, not at another draw. (GP scores its own interpolates.)
+    """
+    if penalty_taken == "r1":
+        real = real.detach().requires_grad_(True)
+    if penalty_taken == "r2":
+        fake = fake.detach().requires_grad_(True)
+    d_real = critic(real)
+    if observe_real is not None:
+        observe_real(d_real)
+    d_fake = critic(fake)
+    losses = discriminator_terms(loss, d_real, d_fake)
+    total = sum(losses.values())
+    if penalty_taken != "none":
+        if penalty_taken == "gp":
+            losses["gp"] = penalty("gp", critic, real, fake, eps, scaler)
+        else:
+            scores, x = (d_real, real) if penalty_taken == "r1" else (d_fake, fake)
+            losses[penalty_taken] = squared_norm_penalty(scores, x, scaler)
+        total = total + penalty_weight * losses[penalty_taken]
+    return {**losses, "d": total}
+
+
 def lazy_ratio(every: int) -> float:
     """stylegan2-ada's correction for a regularizer taken every ``every`` steps as an extra optimizer step of its own
     (``training/training_loop.py``: ``mb_ratio = reg_interval / (reg_interval + 1)``, then ``lr * mb_ratio`` and each
