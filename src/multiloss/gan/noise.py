@@ -28,7 +28,8 @@ class NoiseStream:
 
     def rows(self, n: int, width: int, device: torch.device, rank: int, world: int) -> torch.Tensor:
         """This rank's ``n`` of ``n × world`` rows of ``width`` standard normals."""
-        return torch.randn(n * world, width, generator=self.generator(device), device=device)[rank::world]
+        generator = self._generator if self._generator is not None else self.generator(device)  # one call a draw
+        return torch.randn(n * world, width, generator=generator, device=device)[rank::world]
 
     def state(self) -> torch.Tensor | None:
         """The generator's state (a uint8 tensor: ``weights_only`` loads it), None before the first draw."""
