@@ -196,13 +196,13 @@ class GAN(Recipe):
 
     def configure_optimizers(self) -> list[Any]:
         # Named param groups: LearningRateMonitor logs `lr-<Optimizer>/generator` and `.../discriminator`.
-        opt_g = self.optimizer_of(self.g_optimizer_factory, [self._group("generator")], "model.g_optimizer")
-        opt_d = self.optimizer_of(self.d_optimizer_factory, [self._group("discriminator")], "model.d_optimizer")
+        opt_g = self.optimizer_of(self.g_optimizer_factory, [self.param_group_of("generator")], "model.g_optimizer")
+        opt_d = self.optimizer_of(self.d_optimizer_factory, [self.param_group_of("discriminator")], "model.d_optimizer")
         if self.penalty_every > 1:
             correct_betas(opt_d, lazy_ratio(self.penalty_every))
         return [self.with_schedule(opt_g, "model.g_optimizer"), self.with_schedule(opt_d, "model.d_optimizer")]
 
-    def _group(self, name: str) -> dict[str, Any]:
+    def param_group_of(self, name: str) -> dict[str, Any]:
         return {"params": getattr(self, name).parameters(), "name": name}
 
     def output_callbacks(self) -> list[L.Callback]:
