@@ -77,6 +77,9 @@ def test_training_overrides_come_first_and_the_command_line_wins(tmp_path: Path)
     assert args[-3:] == [f"ckpt_path={ckpt}", "seed=5", "trainer.limit_val_batches=2"]
     # No checkpoint, nothing added (evaluate names ckpt_path).
     assert with_training_overrides(["ckpt_path=/no/such.ckpt", "seed=1"]) == ["ckpt_path=/no/such.ckpt", "seed=1"]
+    # Another recipe than the run's: nothing carried (its keys would not fit; the checkpoint check names the mismatch).
+    other = [f"ckpt_path={ckpt}", "recipe=gan"]
+    assert with_training_overrides(other) == other
 
 
 def test_eval_refuses_another_split_and_another_recipe(tmp_path: Path) -> None:

@@ -262,9 +262,15 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     if ckpt == "last" and isinstance(run_dir := values.get("hydra.run.dir"), str):
         ckpt = str(Path(run_dir) / "checkpoints" / "last.ckpt")
     stored = stored_entries(ckpt)  # one read of the checkpoint for both of its entries
+    runs = parser.parse_overrides(_overrides_of(Path(ckpt), stored.get(OVERRIDES_KEY)))
+    # Another recipe (or experiment) than the run's: its overrides would not fit; the checkpoint's own check then
+    # names the mismatch ("it belongs to another model").
+    chosen = {o.key_or_group: o.value() for o in runs if o.key_or_group in ("recipe", "experiment")}
+    if any(key in values and values[key] != value for key, value in chosen.items()):
+        return list(args), []
     training = [
         o
-        for o in parser.parse_overrides(_overrides_of(Path(ckpt), stored.get(OVERRIDES_KEY)))
+        for o in runs
         if o.key_or_group.lstrip("+~") not in keys and o.key_or_group.split(".")[0].split("/")[0] not in _NOT_CARRIED
     ]
     carried = [o.input_line for o in training if o.input_line]
