@@ -13,6 +13,7 @@ kept.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -54,15 +55,20 @@ def start_process_group(strategy: Any) -> None:
         getattr(strategy, "rendezvous_timeout", DEFAULT_TIMEOUT_S),
         f"trainer.num_nodes={strategy.num_nodes} × {strategy.num_processes} processes",
     )
-    device = strategy.root_device
+    # What Lightning's own setup (which now finds the group made) would have done around it: the address in the
+    # environment, the device, and NCCL's group ended at exit (torch warns of one left undestroyed).
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+    device, backend = strategy.root_device, internals.process_group_backend(strategy)
     torch.distributed.init_process_group(
-        internals.process_group_backend(strategy),
+        backend,
         rank=env.global_rank(),
         world_size=env.world_size(),
         store=torch.distributed.PrefixStore("multiloss/group", store),
         timeout=internals.process_group_timeout(strategy),
-        device_id=device if device.type != "cpu" else None,  # as Lightning's own setup passes it
+        device_id=device if device.type != "cpu" else None,
     )
+    if backend == "nccl":
+        atexit.register(internals.destroy_process_group)
 
 
 def meet(
