@@ -101,14 +101,13 @@ def run_command(args: str, one_thread: bool = True) -> dict[str, float]:
 
 
 def run_balancer(balancer: str, seed: int) -> dict[str, float]:
-    """``recipe=weighted balancer=<balancer> seed=<seed>``'s default run (in this process: no start-up to pay)."""
+    """``recipe=weighted balancer=<balancer> seed=<seed>``'s default run, in this process (no start-up to pay), as
+    `benchmarks/balancers.py` runs it: each task's final validation metric."""
     import torch
-
-    from multiloss import testing, train
+    from balancers import run  # benchmarks/balancers.py, beside this script
 
     torch.set_num_threads(1)
-    cfg = testing.compose("recipe=weighted", f"balancer={balancer}", f"seed={seed}", *QUIET, "trainer.accelerator=cpu")
-    metrics = train(cfg)
+    metrics, _ = run(["recipe=weighted"], balancer, seed, [])
     return {metric: metrics[metric] for _, metric, _ in TASKS}
 
 

@@ -96,6 +96,12 @@ def run_cli(
     )
 
 
+def run_shell(command: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``command`` pasted into bash as a user would, ``python`` being this interpreter (the project's venv)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def load_checkpoint(ckpt: Path) -> dict:
     """A checkpoint's entries: a file's, or a sharded run's directory read whole."""
     from multiloss.saving.checkpoints import read_sharded_checkpoint

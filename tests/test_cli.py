@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import CONFIG_DIR, run_cli
+from tests.conftest import CONFIG_DIR, run_cli, run_shell
 
 QUICK_CLI = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false")
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
@@ -182,9 +182,6 @@ def test_other_warnings_still_show():
 def test_the_printed_resume_line_resumes_as_printed(tmp_path):
     """The last line of a run is a command: pasted into a shell as it is, it continues that run (its recipe, seed
     and every other override from the checkpoint), and with a longer budget on top it trains on."""
-    import os
-    import subprocess
-    import sys
 
     first = run_cli("recipe=gan", "seed=1", "trainer.max_steps=4", *QUICK_CLI, f"hydra.run.dir={tmp_path / 'gan'}")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -195,8 +192,7 @@ def test_the_printed_resume_line_resumes_as_printed(tmp_path):
         line
         == f"python {Path(__file__).parents[1] / 'train.py'} ckpt_path={ckpt} trainer.max_steps=8 trainer.max_epochs=40"
     )
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
-    again = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True)
+    again = run_shell(line, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     said = "multiloss: continuing with the checkpoint's run's overrides (yours win): "
     carried = again.stdout.split(said)[1].splitlines()[0].split()

@@ -9,12 +9,9 @@ composed and checked as ``python train.py`` would check it before training (`mul
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ import torch
 
 from multiloss import testing
 from multiloss.config import check_config
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, run_shell
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -66,12 +63,6 @@ def project(tmp_path_factory) -> Path:
     return root
 
 
-def _shell(command: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``command`` in bash, ``python`` being this interpreter (the project's venv)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_the_blocks_that_are_files_say_so_where_hydra_and_python_read_them():
     named = {named_file(body): where for where, language, body in ALL if language in ("python", "yaml")}
     assert {"mypkg/nets.py", "my_configs/net/two_head_cnn.yaml"} <= set(named), named
@@ -85,12 +76,12 @@ def test_bring_your_own_model_runs_as_written(project):
     """README's two files and its launch line, from the project dir: the CNN trains (3 steps, the line's own
     overrides as printed), and README's proof of the step passes on it."""
     (line,) = [c for _, language, body in ALL if language == "bash" for c in launch_lines(body) if "my_configs" in c]
-    proc = _shell(f"{line} trainer.max_steps=3 print_config=false hydra.run.dir=run", project)
+    proc = run_shell(f"{line} trainer.max_steps=3 print_config=false hydra.run.dir=run", project)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.load(project / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
     (proof,) = [body for _, language, body in ALL if language == "python" and "testing.compose(" in body]
     (project / "proof.py").write_text(proof)
-    done = _shell("python proof.py", project)
+    done = run_shell("python proof.py", project)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -100,7 +91,7 @@ def test_the_inference_snippet_loads_a_run_as_written(tmp_path):
     proc = run_cli("recipe=multihead", "trainer.max_steps=2", "print_config=false", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (tmp_path / "infer.py").write_text(snippet.replace("<time>", run.name) + "\nassert logits.shape == (5, 10)\n")
-    done = _shell("python infer.py", tmp_path)
+    done = run_shell("python infer.py", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -155,7 +146,23 @@ def test_every_launch_line_composes_and_passes_the_checks(where, line, tmp_path)
     dirs = [args[i + 1] for i, a in enumerate(args) if a == "--config-dir"]
     overrides = [a for i, a in enumerate(args) if a != "--config-dir" and (i == 0 or args[i - 1] != "--config-dir")]
     cfg = testing.compose(*overrides, config_dir=ROOT / dirs[0] if dirs else None, output_dir=tmp_path)
-    check_config(cfg)
+    assert check_config(cfg) is None  # raises ConfigError, naming the key, on a line a run would refuse
+    # The line means what it says: each option it picks is the one composed, each value it sets is the config's.
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    choices = HydraConfig.get().runtime.choices
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    assert parsed, line
+    for override in parsed:
+        key, value = override.key_or_group.lstrip("+"), override.value()
+        if key in choices:
+            assert choices[key] == value, (line, key)
+        else:
+            found = OmegaConf.select(cfg, key)
+            found = OmegaConf.to_container(found) if OmegaConf.is_config(found) else found
+            assert found == value, (line, key, found)
 
 
 def test_an_option_file_whose_package_line_is_not_first_is_named_as_such(project, tmp_path):

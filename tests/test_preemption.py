@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from multiloss import train
 from multiloss.callbacks import RunPreempted
 from multiloss.config import ConfigError
-from tests.conftest import ROOT, load_weights, run_cli
+from tests.conftest import ROOT, load_weights, run_cli, run_shell
 from tests.helpers import logged_rows
 
 SMALL = (
@@ -245,12 +244,7 @@ def test_sigterm_from_the_command_line_exits_143_with_the_line_that_continues(tm
     assert resume == f"python {ROOT / 'train.py'} \"ckpt_path='{run}/checkpoints/last.ckpt'\""
     # Pasted into a shell as it is (the signal's step moved past the run's end), it continues the run to its end:
     # the recipe and the budget come from the checkpoint.
-    done = subprocess.run(
-        ["bash", "-c", f"{resume} +callbacks.signal.step=100 hydra.run.dir='{run}'"],
-        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
-        capture_output=True,
-        text=True,
-    )
+    done = run_shell(f"{resume} +callbacks.signal.step=100 hydra.run.dir='{run}'")
     assert done.returncode == 0, done.stderr[-3000:]
     assert _global_step(run) == 9
 

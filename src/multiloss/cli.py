@@ -344,10 +344,10 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
     if metrics:
         console.print("multiloss: final values")  # not the table's title: rich wraps that to the table's width
         console.print(table)
-    from multiloss.saving.run_dir import resume_command
+    from multiloss.saving.run_dir import last_checkpoint_of, resume_command
     from multiloss.saving.saved_state import checkpoint_exists
 
-    last = out / "checkpoints" / "last.ckpt"
+    last = last_checkpoint_of(out)
     resume = f"; train on: {resume_command(last, *_twice_the_budget(cfg))}" if checkpoint_exists(last) else ""
     console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True)
 

@@ -26,6 +26,11 @@ LOCK = ".multiloss.lock"
 RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 
 
+def last_checkpoint_of(output_dir: str | Path) -> Path:
+    """A run dir's own ``last.ckpt`` (a file, or a sharded run's directory), whether it exists or not."""
+    return Path(output_dir) / "checkpoints" / "last.ckpt"
+
+
 def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
     """The checkpoint a run starts from: ``ckpt_path``, with ``last`` meaning the run dir's own ``last.ckpt``.
 
@@ -34,7 +39,7 @@ def resume_from(output_dir: str | Path, ckpt_path: str | None) -> str | None:
     run dir (the run stamp is the launch's id, `multiloss.config.resolvers`) and continues from
     its own ``last.ckpt`` whatever ``ckpt_path`` says, which was the first attempt's start.
     """
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    last = last_checkpoint_of(output_dir)
     counts = [os.environ.get(name, "0") for name in RESTART_COUNTS]
     restarted = any(count.isdigit() and int(count) > 0 for count in counts)
     if (ckpt_path == "last" or restarted) and last.is_dir() and not is_sharded_checkpoint(last):
@@ -260,7 +265,7 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     if not isinstance(ckpt, str) or not ckpt:
         return list(args), []
     if ckpt == "last" and isinstance(run_dir := values.get("hydra.run.dir"), str):
-        ckpt = str(Path(run_dir) / "checkpoints" / "last.ckpt")
+        ckpt = str(last_checkpoint_of(run_dir))
     stored = stored_entries(ckpt)  # one read of the checkpoint for both of its entries
     runs = parser.parse_overrides(_overrides_of(Path(ckpt), stored.get(OVERRIDES_KEY)))
     # Another recipe (or experiment) than the run's: its overrides would not fit; the checkpoint's own check then
