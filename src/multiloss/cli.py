@@ -219,6 +219,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     silence_known_noise()  # before Lightning and torchdata are imported: some warn at import or first use
     from multiloss.callbacks import NonFiniteError, RunPreempted
     from multiloss.config import ConfigError
+    from multiloss.data.columns import BadSample, worker_message
     from multiloss.parallel.stalls import CollectiveStalled
     from multiloss.saving.checkpoints import CheckpointWriteError
 
@@ -245,6 +246,11 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         _fail("config error", err.message, 2, quiet=quiet)
     except (CheckpointWriteError, NonFiniteError) as err:
         _fail("run stopped", str(err), 1)
+    except BadSample as err:  # met by a batch: the checkpoints written before it stay
+        from multiloss.saving.run_dir import last_checkpoint_of
+
+        hint = _resume_hint(last_checkpoint_of(cfg.paths.output_dir), cfg)
+        _fail("run stopped", f"{worker_message(err)}{hint}", 1)
     except CollectiveStalled as err:
         from multiloss.parallel.rendezvous import RendezvousIncomplete
 

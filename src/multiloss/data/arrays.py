@@ -90,22 +90,40 @@ class ArrayDataModule(L.LightningDataModule):
         self.test_set: StackDataset | None = None
 
     def load(self) -> dict[str, torch.Tensor]:
-        """All examples as named tensors sharing their first dimension."""
+        """All examples as named tensors sharing their first dimension (or `multiloss.data.columns.LazyColumn`s:
+        examples read from disk when drawn)."""
         raise NotImplementedError
+
+    def load_parts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The examples by part: ``{"train": ...}`` alone is split at random (``val_fraction``, ``test_fraction``);
+        a data module with validation or test files of its own returns them as ``"val"`` and ``"test"``."""
+        return {"train": self.load()}
+
+    def training_examples(self, train: StackDataset) -> StackDataset:
+        """The training set as the sampler draws from it (the image folders' x-flip doubles it)."""
+        return train
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        arrays = self.load()
-        n = len(next(iter(arrays.values())))
-        # The split never depends on the training seed: changing `seed` must not change the val set.
-        order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
-        n_val, n_test = round(n * self.val_fraction), round(n * self.test_fraction)
-        self.val_index, self.train_index = order[:n_val], order[n_val : n - n_test]
-        self.test_index = order[n - n_test :] if n_test else order[:0]
-        self.train_set = StackDataset(**{k: v[self.train_index] for k, v in arrays.items()})
-        self.val_set = StackDataset(**{k: v[self.val_index] for k, v in arrays.items()})
-        self.test_set = StackDataset(**{k: v[self.test_index] for k, v in arrays.items()})
+        parts = self.load_parts()
+        arrays = parts["train"]
+        if set(parts) == {"train"}:
+            n = len(next(iter(arrays.values())))
+            # The split never depends on the training seed: changing `seed` must not change the val set.
+            order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
+            n_val, n_test = round(n * self.val_fraction), round(n * self.test_fraction)
+            self.val_index, self.train_index = order[:n_val], order[n_val : n - n_test]
+            self.test_index = order[n - n_test :] if n_test else order[:0]
+            # An index of a tensor copies those examples; of a LazyColumn it is a view that reads nothing.
+            parts = {
+                part: {k: v[index] for k, v in arrays.items()}
+                for part, index in (("train", self.train_index), ("val", self.val_index), ("test", self.test_index))
+            }
+        empty = {k: v[:0] for k, v in arrays.items()}
+        self.train_set = self.training_examples(StackDataset(**parts["train"]))
+        self.val_set = StackDataset(**parts.get("val", empty))
+        self.test_set = StackDataset(**parts.get("test", empty))
 
     def _trainer_epoch(self) -> int | None:
         return self.trainer.current_epoch if self.trainer is not None else None
@@ -169,4 +187,25 @@ class ArrayDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.seed),
+        )
+
+
+def check_like_training(arrays: dict[str, torch.Tensor], train: dict[str, torch.Tensor], key: str, path: str) -> None:
+    """A validation or test file (or folder) holds the training data's batch keys, examples shaped and typed alike."""
+    require(
+        set(arrays) == set(train),
+        key,
+        path,
+        f"the training data's batch keys: {sorted(train)}",
+        f"it holds {sorted(arrays)}",
+    )
+    for name, t in arrays.items():
+        ref = train[name]
+        require(
+            t.shape[1:] == ref.shape[1:] and t.is_floating_point() == ref.is_floating_point(),
+            key,
+            path,
+            f"array {name!r} shaped and typed like the training data's: (n, {', '.join(map(str, ref.shape[1:]))}) "
+            f"{ref.dtype}",
+            f"it is {tuple(t.shape)} {t.dtype}",
         )

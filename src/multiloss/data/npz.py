@@ -7,33 +7,16 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import StackDataset
 
 from multiloss.config import ConfigError, require
-from multiloss.data.arrays import ArrayDataModule
+from multiloss.data.arrays import ArrayDataModule, check_like_training
+from multiloss.data.columns import LazyColumn, NpyRows, as_served, served_dtype
 from multiloss.data.streams import TokenStreams
 from multiloss.data.vocabulary import Vocabulary
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str | None) -> torch.Tensor:
-    """floats -> float32, integers -> int64, booleans -> float32 0/1 (what a BCE target needs); or ``dtype``."""
-    if dtype is not None:
-        target = getattr(torch, dtype, None)
-        require(isinstance(target, torch.dtype), f"dtypes.{name}", dtype, "a torch dtype name: float32, int64, ...")
-        return torch.as_tensor(np.asarray(array)).to(target)
-    kind = array.dtype.kind
-    if kind == "f":
-        return torch.as_tensor(np.asarray(array, dtype=np.float32))
-    if kind in "iu":
-        return torch.as_tensor(np.asarray(array, dtype=np.int64))
-    if kind == "b":
-        return torch.as_tensor(np.asarray(array, dtype=np.float32))
-    raise ConfigError(
-        "path",
-        f"<array {name!r} of dtype {array.dtype}>",
-        "numeric arrays (float, int, bool); convert strings or objects to numbers before saving",
-        "not a numeric array",
-    )
+    return as_served(array, served_dtype(array.dtype, name, dtype))
 
 
 class NpzDataModule(ArrayDataModule):
@@ -46,6 +29,11 @@ class NpzDataModule(ArrayDataModule):
     ``y_path`` (a ``.npy`` of labels) as ``y``. ``val_path`` / ``test_path``: files of the same arrays
     for validation and test (then no random split: ``val_fraction`` 0). Everything is read and
     checked when the data module is built, before a run writes anything.
+
+    ``lazy``: read each batch's rows from the file when the batch is drawn (`multiloss.data.columns.NpyRows`),
+    RAM flat in the file's size, instead of holding the arrays in memory. null (default): lazy for ``.npy``
+    files, in memory for ``.npz``; true: an ``.npz`` too (written by ``np.savez``: compressed members cannot be
+    read a row at a time). Lazily read, a NaN/inf is found at the batch that meets it (in memory: when built).
 
     Token data (tbptt): a file may name its vocabulary, an integer ``vocab_size`` array (0-d) or a
     string array ``vocab`` (its words, id i the i-th): not batch keys, they become ``vocab``; the
@@ -75,8 +63,17 @@ class NpzDataModule(ArrayDataModule):
         layout: Literal["sequences", "streams"] = "sequences",
         seq_len: int | None = None,
         val_fraction: float | None = None,
+        lazy: bool | None = None,
         **kwargs,
     ) -> None:
+        require(lazy in (None, True, False), "lazy", lazy, "true, false, or null (.npy files lazy, .npz in memory)")
+        require(
+            not (lazy and layout == "streams"),
+            "lazy",
+            lazy,
+            "false or null with layout=streams (the token streams are cut from the corpus in memory)",
+        )
+        self.lazy = False if layout == "streams" else lazy
         require(
             val_path is None or not val_fraction,
             "val_fraction",
@@ -109,9 +106,9 @@ class NpzDataModule(ArrayDataModule):
         self.split = {part: arrays for part, (arrays, _) in read.items()}
         for part in ("val", "test"):
             if part in self.split:
-                _check_like_training(self.split[part], self.arrays, parts[part][1], parts[part][0])
+                check_like_training(self.split[part], self.arrays, parts[part][1], parts[part][0])
         ints = [t for arrays in self.split.values() for t in arrays.values() if not t.is_floating_point() and t.numel()]
-        self.max_token_id = max((int(t.max()) for t in ints), default=None)
+        self.max_token_id = max((_largest(t) for t in ints), default=None)
         if layout == "streams":
             require(
                 isinstance(seq_len, int) and seq_len >= 1,
@@ -152,11 +149,19 @@ class NpzDataModule(ArrayDataModule):
             require(
                 not unknown, option, unknown[0] if unknown else None, f"batch keys: {sorted(arrays)}", "no such key"
             )
-        tensors = {k: _tensor(k, v, dtypes.get(k)) for k, v in arrays.items()}
+        tensors = {
+            k: v.serve_as(served_dtype(v.np_dtype, k, dtypes.get(k)))
+            if isinstance(v, NpyRows)
+            else _tensor(k, v, dtypes.get(k))
+            for k, v in arrays.items()
+        }
         for k in flatten:
             require(tensors[k].dim() >= 1, "flatten", k, "keys of arrays with an examples axis")
-            tensors[k] = tensors[k].flatten(1) if tensors[k].dim() > 1 else tensors[k]
+            if tensors[k].dim() > 1:
+                tensors[k] = tensors[k].flattened() if isinstance(tensors[k], LazyColumn) else tensors[k].flatten(1)
         for k, v in tensors.items():
+            if isinstance(v, LazyColumn):
+                continue  # checked a batch at a time, as it is read
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 bad = int((~torch.isfinite(v)).sum())
                 raise ConfigError(
@@ -177,12 +182,18 @@ class NpzDataModule(ArrayDataModule):
         return tensors, vocab
 
     def _read(self, path: Path, key: str, keys: list[str] | None) -> dict[str, np.ndarray]:
+        lazy = self.lazy if self.lazy is not None else path.suffix == ".npy"
         try:
             if path.suffix == ".npy":
-                arrays = {"x": np.load(path, allow_pickle=False)}
+                arrays = {"x": NpyRows.in_file(path, key) if lazy else np.load(path, allow_pickle=False)}
                 if self.y_path is not None and key == "path":
                     require(Path(self.y_path).is_file(), "y_path", self.y_path, "an existing .npy file of labels")
-                    arrays["y"] = np.load(self.y_path, allow_pickle=False)
+                    y = Path(self.y_path)
+                    arrays["y"] = NpyRows.in_file(y, "y_path") if lazy else np.load(y, allow_pickle=False)
+            elif lazy:
+                with np.load(path, allow_pickle=False) as npz:
+                    names = list(npz.files)
+                arrays = {name: NpyRows.in_file(path, key, f"{name}.npy") for name in names}
             else:
                 with np.load(path, allow_pickle=False) as npz:
                     arrays = {name: npz[name] for name in npz.files}
@@ -222,37 +233,16 @@ class NpzDataModule(ArrayDataModule):
     def load(self) -> dict[str, torch.Tensor]:
         return self.arrays
 
+    def load_parts(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.split
+
     def setup(self, stage: str | None = None) -> None:
-        if self.streams is not None or self.train_set is not None:
-            return
-        if "val" not in self.split and "test" not in self.split:
-            super().setup(stage)  # the random split of one file's examples
-            return
-        empty = {k: v[:0] for k, v in self.arrays.items()}
-        self.train_set = StackDataset(**self.arrays)
-        self.val_set = StackDataset(**self.split.get("val", empty))
-        self.test_set = StackDataset(**self.split.get("test", empty))
+        if self.streams is None:
+            super().setup(stage)
 
 
-def _check_like_training(arrays: dict[str, torch.Tensor], train: dict[str, torch.Tensor], key: str, path: str) -> None:
-    """A validation or test file holds the training file's batch keys, each example of the same shape and kind."""
-    require(
-        set(arrays) == set(train),
-        key,
-        path,
-        f"a file of the training file's arrays: {sorted(train)}",
-        f"it holds {sorted(arrays)}",
-    )
-    for name, t in arrays.items():
-        ref = train[name]
-        require(
-            t.shape[1:] == ref.shape[1:] and t.is_floating_point() == ref.is_floating_point(),
-            key,
-            path,
-            f"array {name!r} shaped and typed like the training file's: (n, {', '.join(map(str, ref.shape[1:]))}) "
-            f"{ref.dtype}",
-            f"it is {tuple(t.shape)} {t.dtype}",
-        )
+def _largest(t: torch.Tensor | LazyColumn) -> int:
+    return t.largest() if isinstance(t, NpyRows) else int(t.max())
 
 
 # A file's arrays that name its vocabulary rather than hold examples.
