@@ -61,9 +61,9 @@ class SamplesDataModule(ArrayDataModule):
     kind. Values as ``data=npz`` serves them (floats -> float32, integers -> int64, booleans -> float32; ``dtypes``
     overrides per key); image files are integer masks ``(H, W)`` (int64) unless their key is in ``scaled`` (then
     ``(C, H, W)`` float32 over ``value_range``). ``keys`` picks folders, ``rename`` maps folder names to batch keys
-    (a folder ``image`` is served as ``x``, the net's input, where no folder is ``x``: LibMTL's name), ``channels_last`` lists keys
-    stored ``(H, W, C)`` (LibMTL's NYUv2 ``image``, ``depth``, ``normal``) served channels-first, ``flatten``
-    keys served as ``(features,)``; all name batch keys (after ``rename``).
+    (a folder ``image`` is served as ``x``, the net's input, where no folder is ``x``: LibMTL's name);
+    ``channels_last`` lists keys stored ``(H, W, C)`` (LibMTL's NYUv2 ``image``, ``depth``, ``normal``) served
+    channels-first, ``flatten`` keys served as ``(features,)``; all name batch keys (after ``rename``).
 
     Found before training (a listing and the first sample's files): a missing folder, no key folders, a sample
     missing from one key's folder (named), a folder mixing file kinds, a first file that does not decode. Found at
