@@ -9,6 +9,7 @@ where a listing finds it, else at the batch that meets it with the checkpoints k
 from __future__ import annotations
 
 import json
+import pickle
 import zipfile
 from pathlib import Path
 
@@ -63,9 +64,11 @@ def test_every_layout_serves_the_digits_to_the_bit(layouts):
             ours, theirs = getattr(dm, part), getattr(reference, part)
             assert len(ours) == len(theirs)
             rows = [0, 5, len(ours) - 1]
-            for key in ours.datasets:
-                got = torch.stack([ours[i][key] for i in rows])
-                assert torch.equal(got, theirs.datasets[key][rows]), (layout, part, key)
+            # Pickled as a worker started by spawn or forkserver receives it (open files are not carried).
+            for served in (ours, pickle.loads(pickle.dumps(ours))):
+                for key in served.datasets:
+                    got = torch.stack([served[i][key] for i in rows])
+                    assert torch.equal(got, theirs.datasets[key][rows]), (layout, part, key)
 
 
 def _ready_digits():
@@ -121,7 +124,7 @@ def test_image_options_are_stylegan2_adas(tmp_path):
     dm.setup("fit")
     assert "y" not in dm.train_set.datasets  # labels: null
     assert len(dm.train_set) == 12  # doubled
-    chw = torch.from_numpy(images).permute(0, 3, 1, 2)[dm.train_index[0]]
+    chw = torch.from_numpy(images).permute(0, 3, 1, 2)[0]  # nothing cut off: the images in their order
     assert torch.equal(dm.train_set[0]["x"], chw.to(torch.float32) / 127.5 - 1)  # training_loop.py's scaling
     assert torch.equal(dm.train_set[6]["x"], dm.train_set[0]["x"].flip(-1))  # example i + n: i mirrored
     grey = ImagesDataModule(str(zipped), channels=1, resolution=8, value_range=None, val_fraction=0)
@@ -328,13 +331,48 @@ def test_bad_sample_survives_a_loader_worker():
     assert worker_message(err) == "data: /a/b.png (batch key 'x'): it is (9,)"
 
 
+@pytest.mark.parametrize(
+    ("recipe", "layout", "test_split", "metric"),
+    [
+        ("accumulation", "images", "data.test_path={classes}", "acc"),  # a test folder of another layout
+        ("weighted", "samples", "data.test_fraction=0.2", "acc/digit"),
+        ("accumulation", "npy", "data.test_fraction=0.2", "acc"),
+    ],
+)
+def test_multiloss_eval_scores_a_layouts_validation_and_test_sets(
+    tmp_path, layouts, recipe, layout, test_split, metric
+):
+    from multiloss import train
+    from multiloss.evaluation import evaluate, with_training_overrides
+    from multiloss.testing import compose
+
+    split = test_split.format(classes=layouts["classes"])
+    trained = train(
+        compose(
+            *QUIET_RUN,
+            f"recipe={recipe}",
+            *data_of(layout, layouts),
+            split,
+            "trainer.max_steps=6",
+            output_dir=tmp_path / "train",
+        )
+    )
+    ckpt = tmp_path / "train/checkpoints/last.ckpt"
+    cfg = compose(
+        *with_training_overrides([f"ckpt_path={ckpt}", *QUIET]), config_name="eval", output_dir=tmp_path / "e"
+    )
+    metrics = evaluate(cfg)
+    assert metrics[f"val/{metric}"] == pytest.approx(trained[f"val/{metric}"], abs=1e-6)
+    assert f"test/{metric}" in metrics
+
+
 # --- DDP --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["images", "samples"])
-def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, layouts, layout):
+@pytest.mark.parametrize(("layout", "trainer"), [("images", "ddp_cpu"), ("samples", "ddp_cpu"), ("npy", "fsdp_cpu")])
+def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, layouts, layout, trainer):
     recipe = "weighted" if layout == "samples" else "accumulation"
     common = (
         f"recipe={recipe}",
@@ -345,8 +383,28 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, layouts, layout
         "trainer.val_check_interval=4",
     )
     quiet = (*QUIET, "~callbacks.loss_curves")
-    two = pooled_train(tmp_path / "ddp", *quiet, *common, "trainer=ddp_cpu", "data.batch_size=16", cwd=tmp_path)
+    two = pooled_train(tmp_path / "two", *quiet, *common, f"trainer={trainer}", "data.batch_size=16", cwd=tmp_path)
     one = train_here(tmp_path / "one", *quiet, *common, "trainer=cpu", "data.batch_size=32")
     a, b = load_weights(two / "checkpoints/last.ckpt"), load_weights(one / "checkpoints/last.ckpt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_the_docs_layout_lines_run_as_written(tmp_path):
+    """docs/data.md's block: each layout exported, then each launch line trains on it (2 steps, quietly)."""
+    from tests.conftest import ROOT, run_shell
+    from tests.test_docs import FENCE
+
+    block = next(m.group(2) for m in FENCE.finditer((ROOT / "docs/data.md").read_text()) if m.group(1) == "bash")
+    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert sum(" -m multiloss.data.export " in line for line in lines) == 4 and len(lines) == 8
+    short = " ".join([*QUIET_RUN, "trainer.max_steps=2", "trainer.limit_val_batches=1", "model.n_plot_samples=0"])
+    for line in lines:
+        if line.startswith("python train.py"):
+            line = (
+                f"{line.replace('train.py', str(ROOT / 'train.py'), 1)} {short} hydra.run.dir=run_{lines.index(line)}"
+            )
+            if "recipe=gan" not in line:
+                line = line.replace(" model.n_plot_samples=0", "")
+        proc = run_shell(line, cwd=tmp_path)
+        assert proc.returncode == 0, (line, proc.stderr[-3000:])

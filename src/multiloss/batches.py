@@ -87,10 +87,16 @@ def require_keys(batch: Mapping[str, Any], needed: Sequence[str], why: str) -> N
 
 def dataset_tensors(datamodule: Any, key: str) -> list[torch.Tensor]:
     """The whole training and validation tensors of batch key ``key``, where the data module holds them
-    in memory (multiloss's own data modules: ``StackDataset``s of named tensors); else nothing."""
+    in memory (multiloss's own data modules: ``StackDataset``s of named tensors) or can read them at little cost
+    (a lazily read ``.npy`` column of at most 64 MiB: labels); else nothing."""
+    from multiloss.data.columns import NpyRows
+
     found = []
     for name in ("train_set", "val_set"):
         datasets = getattr(getattr(datamodule, name, None), "datasets", None)
-        if isinstance(datasets, dict) and isinstance(datasets.get(key), torch.Tensor):
-            found.append(datasets[key])
+        column = datasets.get(key) if isinstance(datasets, dict) else None
+        if isinstance(column, NpyRows) and column.numel() * column.np_dtype.itemsize <= 64 << 20:
+            column = column.whole()
+        if isinstance(column, torch.Tensor):
+            found.append(column)
     return found

@@ -95,9 +95,20 @@ class ArrayDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def load_parts(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The examples by part: ``{"train": ...}`` alone is split at random (``val_fraction``, ``test_fraction``);
-        a data module with validation or test files of its own returns them as ``"val"`` and ``"test"``."""
+        """The examples by part: ``"train"``, and ``"val"`` / ``"test"`` where the data has files of its own for them
+        (a part it lacks is cut at random off the training examples: ``val_fraction``, ``test_fraction``)."""
         return {"train": self.load()}
+
+    def given_parts(self, val: str | None, test: str | None) -> None:
+        """Refuse a fraction for a part that has its own files (``val``/``test``: their paths, or None)."""
+        for part, given in (("val", val), ("test", test)):
+            fraction = getattr(self, f"{part}_fraction")
+            require(
+                given is None or not fraction,
+                f"{part}_fraction",
+                fraction,
+                f"0 (or null) with {given} as the {part} set: it is that data, not a fraction of the training data",
+            )
 
     def training_examples(self, train: StackDataset) -> StackDataset:
         """The training set as the sampler draws from it (the image folders' x-flip doubles it)."""
@@ -106,20 +117,21 @@ class ArrayDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        parts = self.load_parts()
-        arrays = parts["train"]
-        if set(parts) == {"train"}:
-            n = len(next(iter(arrays.values())))
+        parts = dict(self.load_parts())
+        arrays = parts.pop("train")
+        n = len(next(iter(arrays.values())))
+        n_val = 0 if "val" in parts else round(n * self.val_fraction)
+        n_test = 0 if "test" in parts else round(n * self.test_fraction)
+        if n_val or n_test:
             # The split never depends on the training seed: changing `seed` must not change the val set.
             order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
-            n_val, n_test = round(n * self.val_fraction), round(n * self.test_fraction)
             self.val_index, self.train_index = order[:n_val], order[n_val : n - n_test]
             self.test_index = order[n - n_test :] if n_test else order[:0]
             # An index of a tensor copies those examples; of a LazyColumn it is a view that reads nothing.
-            parts = {
-                part: {k: v[index] for k, v in arrays.items()}
-                for part, index in (("train", self.train_index), ("val", self.val_index), ("test", self.test_index))
-            }
+            cut = {"train": self.train_index, "val": self.val_index, "test": self.test_index}
+            parts = {part: {k: v[index] for k, v in arrays.items()} for part, index in cut.items()} | parts
+        else:
+            parts["train"] = arrays  # nothing cut off: the examples in their own order
         empty = {k: v[:0] for k, v in arrays.items()}
         self.train_set = self.training_examples(StackDataset(**parts["train"]))
         self.val_set = StackDataset(**parts.get("val", empty))

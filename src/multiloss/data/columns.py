@@ -210,6 +210,11 @@ class NpyRows(LazyColumn):
     def where(self, row: int) -> str:
         return f"{self.label} row {row}"
 
+    def whole(self) -> torch.Tensor:
+        """Every example of this view at once, as served (for a small column: labels)."""
+        rows = self._file_rows()
+        return as_served(self._raw(rows), self.dtype).reshape(len(rows), *self.served_shape)
+
     def largest(self, chunk_bytes: int = 64 << 20) -> int | None:
         """The largest value of an integer column, read in chunks of ``chunk_bytes`` (token ids for the vocabulary)."""
         if self.dtype.is_floating_point or self.n == 0:

@@ -24,12 +24,12 @@ import numpy as np
 LAYOUTS = ("images", "classes", "samples", "npy")
 
 
-def png_bytes(image: np.ndarray) -> bytes:
-    """A ``(H, W)`` or ``(H, W, C)`` uint8 array as PNG bytes."""
+def png_bytes(image: np.ndarray, compress_level: int = 6) -> bytes:
+    """A ``(H, W)`` or ``(H, W, C)`` uint8 array as PNG bytes (zlib's ``compress_level``, 0-9: PIL's default 6)."""
     from PIL import Image
 
     out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG")
+    Image.fromarray(image).save(out, format="PNG", compress_level=compress_level)
     return out.getvalue()
 
 

@@ -125,14 +125,9 @@ class ImagesDataModule(ArrayDataModule):
         val_fraction: float | None = None,
         **kwargs,
     ) -> None:
-        require(
-            val_path is None or not val_fraction,
-            "val_fraction",
-            val_fraction,
-            f"null or 0 with data.val_path={val_path} (the validation set is that folder)",
-        )
         fraction = (0.0 if val_path is not None else 0.2) if val_fraction is None else val_fraction
         super().__init__(val_fraction=fraction, **kwargs)
+        self.given_parts(val_path, test_path)
         require(labels in LABEL_SOURCES, "labels", labels, " | ".join(LABEL_SOURCES))
         require(channels in (None, 1, 3), "channels", channels, "1 (grey), 3 (RGB), or null (as stored)")
         require(

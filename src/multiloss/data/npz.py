@@ -74,14 +74,9 @@ class NpzDataModule(ArrayDataModule):
             "false or null with layout=streams (the token streams are cut from the corpus in memory)",
         )
         self.lazy = False if layout == "streams" else lazy
-        require(
-            val_path is None or not val_fraction,
-            "val_fraction",
-            val_fraction,
-            f"null or 0 with data.val_path={val_path} (the validation set is that file)",
-        )
         default_fraction = 0.0 if val_path is not None else 0.1 if layout == "streams" else 0.2
         super().__init__(val_fraction=default_fraction if val_fraction is None else val_fraction, **kwargs)
+        self.given_parts(val_path, test_path)
         require(layout in ("sequences", "streams"), "layout", layout, "sequences or streams")
         self.path, self.y_path, self.layout, self.seq_len = Path(path), y_path, layout, seq_len
         options = {
@@ -237,8 +232,10 @@ class NpzDataModule(ArrayDataModule):
         return self.split
 
     def setup(self, stage: str | None = None) -> None:
-        if self.streams is None:
+        if self.streams is None and self.train_set is None:
             super().setup(stage)
+            # The split holds what the runs read (copies of in-memory arrays): the file's arrays can go.
+            self.arrays = self.split = {}
 
 
 def _largest(t: torch.Tensor | LazyColumn) -> int:

@@ -97,13 +97,8 @@ class SamplesDataModule(ArrayDataModule):
             elif nested and (root / part).is_dir():
                 folders[part] = (root / part, "path")
         has_val = "val" in folders
-        require(
-            not (has_val and val_fraction),
-            "val_fraction",
-            val_fraction,
-            f"null or 0: the validation samples are {folders['val'][0] if has_val else ''}",
-        )
         super().__init__(val_fraction=(0.0 if has_val else 0.2) if val_fraction is None else val_fraction, **kwargs)
+        self.given_parts(*(str(folders[p][0]) if p in folders else None for p in ("val", "test")))
         self.options = {
             "keys": keys,
             "rename": dict(rename or {}),
