@@ -98,9 +98,17 @@ def _early_verdict(cfg) -> str | None:
 
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
+    from multiloss.data.export import digit_images, write_image_zip, write_samples
+
     rel = str(path.relative_to(CONFIG_DIR))
+    if rel == "data/images.yaml":
+        write_image_zip(npz_file.with_name("images.zip"), digit_images()[:50], np.arange(50) % 10)
+    if rel == "data/samples.yaml":
+        write_samples(npz_file.with_name("samples"), dict(np.load(npz_file)))
     extra = {
         "data/npz.yaml": [f"data.path={npz_file}"],
+        "data/images.yaml": [f"data.path={npz_file.with_name('images.zip')}", "data.channels=1", "data.flatten=true"],
+        "data/samples.yaml": [f"data.path={npz_file.with_name('samples')}"],
         "data/text.yaml": [f"data.path={ROOT / 'README.md'}"],
         "callbacks/early_stopping.yaml": ["callbacks.early_stopping.monitor=val/acc"],
         "net/digit_pairs_mlp.yaml": ["experiment=digit_pairs"],

@@ -39,6 +39,14 @@ def layouts(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
+    """Two runs' last weights: the same to ``atol`` (0: to the bit)."""
+    wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def data_of(layout: str, layouts: dict[str, Path]) -> tuple[str, ...]:
     """The overrides reading the exported digits in ``layout`` as ``data=digits`` serves them."""
     path = layouts[layout]
@@ -92,8 +100,7 @@ def test_a_run_on_a_layout_equals_the_run_on_data_digits(tmp_path, layouts, reci
     )
     ours = train_here(tmp_path / layout, *common, *data_of(layout, layouts), "data.num_workers=1")
     theirs = train_here(tmp_path / "digits", *common, "data=digits")
-    a, b = load_weights(ours / "checkpoints/last.ckpt"), load_weights(theirs / "checkpoints/last.ckpt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(ours, theirs)
 
 
 @pytest.mark.parametrize("layout", ["images", "samples", "npy"])
@@ -112,8 +119,7 @@ def test_two_workers_resume_mid_epoch_exactly(make_cfg, tmp_path, layouts, layou
     straight, _, resumed = straight_and_resumed(
         make_cfg, tmp_path, common, "trainer.max_steps=3", "trainer.max_steps=7"
     )
-    a, b = load_weights(straight / "checkpoints/last.ckpt"), load_weights(resumed / "checkpoints/last.ckpt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(straight, resumed)
 
 
 def test_image_options_are_stylegan2_adas(tmp_path):
@@ -124,7 +130,7 @@ def test_image_options_are_stylegan2_adas(tmp_path):
     dm.setup("fit")
     assert "y" not in dm.train_set.datasets  # labels: null
     assert len(dm.train_set) == 12  # doubled
-    chw = torch.from_numpy(images).permute(0, 3, 1, 2)[0]  # nothing cut off: the images in their order
+    chw = torch.from_numpy(images).permute(0, 3, 1, 2)[dm.train_index[0]]
     assert torch.equal(dm.train_set[0]["x"], chw.to(torch.float32) / 127.5 - 1)  # training_loop.py's scaling
     assert torch.equal(dm.train_set[6]["x"], dm.train_set[0]["x"].flip(-1))  # example i + n: i mirrored
     grey = ImagesDataModule(str(zipped), channels=1, resolution=8, value_range=None, val_fraction=0)
@@ -353,7 +359,9 @@ def test_multiloss_eval_scores_a_layouts_validation_and_test_sets(
             f"recipe={recipe}",
             *data_of(layout, layouts),
             split,
-            "trainer.max_steps=6",
+            "trainer.max_epochs=1",
+            "trainer.max_steps=-1",
+            "trainer.limit_train_batches=6",
             output_dir=tmp_path / "train",
         )
     )
@@ -385,9 +393,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, layouts, layout
     quiet = (*QUIET, "~callbacks.loss_curves")
     two = pooled_train(tmp_path / "two", *quiet, *common, f"trainer={trainer}", "data.batch_size=16", cwd=tmp_path)
     one = train_here(tmp_path / "one", *quiet, *common, "trainer=cpu", "data.batch_size=32")
-    a, b = load_weights(two / "checkpoints/last.ckpt"), load_weights(one / "checkpoints/last.ckpt")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert_same_weights(two, one, atol=1e-6)
 
 
 def test_the_docs_layout_lines_run_as_written(tmp_path):

@@ -122,7 +122,7 @@ class ArrayDataModule(L.LightningDataModule):
         n = len(next(iter(arrays.values())))
         n_val = 0 if "val" in parts else round(n * self.val_fraction)
         n_test = 0 if "test" in parts else round(n * self.test_fraction)
-        if n_val or n_test:
+        if not parts or n_val or n_test:  # one set of examples is always permuted (ports reproduce this order)
             # The split never depends on the training seed: changing `seed` must not change the val set.
             order = torch.from_numpy(np.random.default_rng(self.split_seed).permutation(n))
             self.val_index, self.train_index = order[:n_val], order[n_val : n - n_test]
@@ -131,7 +131,7 @@ class ArrayDataModule(L.LightningDataModule):
             cut = {"train": self.train_index, "val": self.val_index, "test": self.test_index}
             parts = {part: {k: v[index] for k, v in arrays.items()} for part, index in cut.items()} | parts
         else:
-            parts["train"] = arrays  # nothing cut off: the examples in their own order
+            parts["train"] = arrays  # files for validation and test, nothing cut off: the examples in their order
         empty = {k: v[:0] for k, v in arrays.items()}
         self.train_set = self.training_examples(StackDataset(**parts["train"]))
         self.val_set = StackDataset(**parts.get("val", empty))

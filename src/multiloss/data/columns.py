@@ -354,8 +354,18 @@ class FileSamples(LazyColumn):
 
 
 def read_npy(data: bytes) -> np.ndarray:
-    """A ``.npy`` file's array from its bytes (never a pickle)."""
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    """A ``.npy`` file's array from its bytes (never a pickle).
+
+    Raises:
+        ValueError: not a ``.npy`` file (numpy takes whatever lacks its header for a pickle and suggests loading it
+            unsafely: never the advice to give for a damaged file).
+    """
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as err:
+        if "pickle" in str(err):
+            raise ValueError("not a .npy file (no .npy header: text, a pickle, or another format?)") from None
+        raise
 
 
 def read_pt(data: bytes) -> np.ndarray:

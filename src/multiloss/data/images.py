@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import StackDataset
 
 from multiloss.config import ConfigError, require
-from multiloss.data.arrays import ArrayDataModule
+from multiloss.data.arrays import ArrayDataModule, check_like_training
 from multiloss.data.columns import FileSamples, FileStore, LazyColumn
 
 LABEL_SOURCES = ("auto", "json", "folders", "none")
@@ -143,6 +143,10 @@ class ImagesDataModule(ArrayDataModule):
         self.classes: list[str] | None = None
         given = {"train": (path, "path"), "val": (val_path, "val_path"), "test": (test_path, "test_path")}
         self.parts = {part: self._read(Path(p), key) for part, (p, key) in given.items() if p is not None}
+        for part in ("val", "test"):
+            if part in self.parts:
+                path, key = given[part]
+                check_like_training(self.parts[part], self.parts["train"], key, str(path))
 
     def _read(self, path: Path, key: str) -> dict[str, torch.Tensor | LazyColumn]:
         require(
