@@ -14,6 +14,7 @@ Every failure is a `ConfigError` under the component's key (``net``, ``tasks.dig
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,9 +81,43 @@ def _instantiate(spec: Mapping[str, Any], key: str, **kwargs: Any) -> Any:
         cause = err.__cause__ or err
         if isinstance(cause, ConfigError):
             raise cause.under(key) from None
+        if (named := _nested_argument(spec, key, str(err), cause)) is not None:
+            raise named from None
         raise ConfigError(
             key, target, f"arguments {target} accepts", f"building it failed: {type(cause).__name__}: {cause}"
         ) from None
+
+
+def _nested_argument(spec: Mapping[str, Any], key: str, message: str, cause: BaseException) -> ConfigError | None:
+    """The argument of a nested component (``model.balancer.aggregator.c``) that failed, named with its value: the node
+    Hydra's ``full_key`` names, or (a ``_partial_`` node, built by its parent) the nested node whose argument the
+    error mentions; None where no single argument is mentioned."""
+    found = re.search(r"full_key: ([\w.]+)", message)
+    nodes = dict(_nested_nodes(spec))
+    if found is not None:
+        nodes = {found.group(1): nodes[found.group(1)]} if found.group(1) in nodes else {}
+    said = str(cause)
+    mentioned = [
+        (path, name)
+        for path, node in nodes.items()
+        for name in node
+        if not name.startswith("_") and re.search(rf"(?<![\w.]){re.escape(name)}(?![\w(])", said)
+    ]
+    if len(mentioned) != 1:
+        return None
+    path, name = mentioned[0]
+    target = nodes[path].get("_target_", "?")
+    return ConfigError(f"{key}.{path}.{name}", nodes[path][name], f"a value {target} accepts ({said})")
+
+
+def _nested_nodes(spec: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Mapping[str, Any]]]:
+    """Every component config inside ``spec`` (``aggregator``, ``scalarizer``, ...), by its dotted path."""
+    found = []
+    for name, value in spec.items():
+        if isinstance(value, Mapping) and "_target_" in value:
+            path = f"{prefix}{name}"
+            found += [(path, value), *_nested_nodes(value, f"{path}.")]
+    return found
 
 
 def build_module(spec: Any, key: str, **passed: Any) -> nn.Module:

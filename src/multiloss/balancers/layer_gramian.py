@@ -37,15 +37,31 @@ class LayerGramian:
         self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by the module's id, at its forward
         self._said = False
         self.steps = 0  # the steps whose Gramian came from the layers (what a test or a benchmark reads)
-        for layer in self.layers:
-            layer.register_forward_hook(self._record)
+        self._ids = {id(m) for m in self.layers}
+        self._handles = [layer.register_forward_hook(self._record) for layer in self.layers]
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+        recording = id(module) in self._ids and torch.is_grad_enabled()
+        if recording and isinstance(output, torch.Tensor) and output.requires_grad:
             self.calls.setdefault(id(module), []).append((args[0], output))
 
     def clear(self) -> None:
         self.calls.clear()
+
+    def remove(self) -> None:
+        """Take the hooks off the layers and drop what they recorded."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._ids = [], set()
+        self.clear()
+
+    def __deepcopy__(self, memo: dict) -> LayerGramian:
+        # A deep copy of the net (an EMA copy, a user's snapshot) copies its hooks, and with them this recorder: the
+        # copy's recorder records nothing (its layers are not these), and no recorded activation (a non-leaf tensor,
+        # which cannot be deep-copied) is copied.
+        inert = LayerGramian.__new__(LayerGramian)
+        inert.layers, inert.calls, inert._said, inert.steps, inert._ids, inert._handles = [], {}, True, 0, set(), []
+        return inert
 
     def covers(self, shared: Sequence[nn.Parameter]) -> bool:
         """Whether every shared parameter is a Linear layer's weight or bias (else say once which is not)."""

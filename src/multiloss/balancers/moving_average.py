@@ -123,6 +123,8 @@ class MoCo(_MovingAverage):
     cᵢLᵢ/(‖gᵢ‖ + 1e-8); y ← y - (β/t^βσ)·(y - g); λ ← softmax(λ - (γ/t^γσ)·(yyᵀ + ρI)·λ) from λ = 1/K; the update
     yᵀλ. ``beta``, ``beta_sigma``, ``gamma``, ``gamma_sigma``, ``rho``: LibMTL's 0.5, 0.5, 0.1, 0.5, 0."""
 
+    weights_set_by_rule = True  # λ is updated by the rule: the logged weights are this step's
+
     adaptive = True  # λ: logged as weight/<task> (times cᵢ)
 
     def __init__(

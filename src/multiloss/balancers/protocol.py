@@ -37,6 +37,10 @@ class Balancer(nn.Module):
     combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
     shared: list[str] | None = None  # the names of the layers its rule works on (None: found)
     after_step_update = False  # True: it learns from the step's losses recomputed after the step (`after_step`)
+    weights_set_by_rule = False  # True: its gradient rule updates the weights it reports (MoCo's λ): read after it
+
+    def release(self) -> None:
+        """Let go of the net (hooks a rule put on it): a balancer built only to check a checkpoint's state."""
 
     def __init__(self, tasks: Sequence[str], base: Sequence[float]) -> None:
         super().__init__()
@@ -198,6 +202,9 @@ def balance(
         balanced.backwarded = True
     else:  # read after the forward: under FSDP2 the net then holds its whole weights
         balanced.surrogate = balancer.surrogate(list(losses.values()), list(net.parameters()), shared)
+    if balancer.weights_set_by_rule:  # MoCo's λ: this step's, as its rule just updated it (not the step before's)
+        balanced.weights = balancer.weights(stacked.detach())
+        balanced.total = (balanced.weights.to(stacked.dtype) * stacked).sum() + (0 if extra is None else extra)
     return balanced
 
 
@@ -251,6 +258,10 @@ class GradientBalancer(Balancer):
         # The Gramian layer by layer (`layer_gramian`): for a rule that needs only the Gramian, each rank's own.
         uses_layers = gramian == "layers" and net is not None and scope == "rank" and self.rule_is_gramian()
         self._layers = LayerGramian(net) if uses_layers else None
+
+    def release(self) -> None:
+        if self._layers is not None:
+            self._layers.remove()
 
     state_per_rank = False  # True: with scope rank, each rank's state is its own (the stateful rules' averages)
 

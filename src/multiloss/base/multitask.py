@@ -21,9 +21,10 @@ from torch import nn
 from multiloss.balancers import Balanced, Balancer, balance
 from multiloss.balancers.build import build_balancer, check_sharded_balancer, rule_on_each_rank
 from multiloss.balancers.protocol import save_balancer_state, shared_parameters
+from multiloss.balancers.resume_check import check_saved_balancer
 from multiloss.base.module import Recipe
 from multiloss.components import to_plain
-from multiloss.saving.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY
+from multiloss.saving.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY, is_sharded_checkpoint
 
 
 class TaskLossObserver(L.Callback):
@@ -114,6 +115,22 @@ class MultiTaskRecipe(Recipe):
         if self.balancer is not None:
             checkpoint[TASKS_KEY] = list(self.balancer.tasks)
             save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)
+
+    def check_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
+        """The checkpoint's balancer state loads into the balancer this run builds for its tasks (a throwaway one:
+        the run's own is built as the weights load)."""
+        super().check_checkpoint(checkpoint, path)
+        names = checkpoint.get(TASKS_KEY)
+        if not names and OLD_HEAD_COUNT_KEY in checkpoint:
+            names = [f"head{i}" for i in range(int(checkpoint[OLD_HEAD_COUNT_KEY]))]
+        if not names:
+            return
+        names = list(names)
+        probe = build_balancer(self.balancer_spec, names, self.configured_weights(names), self.net, "model.balancer")
+        try:
+            check_saved_balancer(checkpoint, probe, self.balancer_spec, path, sharded=is_sharded_checkpoint(path))
+        finally:
+            probe.release()  # its hooks off the net: the run builds its own balancer
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Before the weights load: a balancer with state must exist to receive them.
