@@ -127,8 +127,15 @@ class JacobianDescent(GradientBalancer):
         net: nn.Module | None = None,
         scope: str = "rank",
         gramian: str = "layers",
+        convention: str = "torchjd",
     ) -> None:
         require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
+        require(
+            convention in CONVENTIONS,
+            "convention",
+            convention,
+            "torchjd (torchjd's update, each head its own gradient) or libmtl (LibMTL's update: docs/balancers.md)",
+        )
         if isinstance(aggregator, functools.partial):  # ``_partial_: true``: one that is told the number of tasks
             aggregator = aggregator(n_tasks=len(tasks))
         # Only an aggregator torchjd defines by a weighting of the Gramian can take it layer by layer.
@@ -137,6 +144,10 @@ class JacobianDescent(GradientBalancer):
         # Not a submodule: its state (a stateful one's) is this balancer's extra state, kept per rank; as a
         # submodule DDP would broadcast rank zero's buffers over every rank's own at each forward.
         object.__setattr__(self, "aggregator", aggregator)
+        self.convention = convention
+        self.shared_factor, self.heads_weighted = (
+            libmtl_form(aggregator, len(self.tasks)) if convention == "libmtl" else (1.0, False)
+        )
 
     def __new__(cls, *args: Any, **kwargs: Any) -> JacobianDescent:
         aggregator = kwargs.get("aggregator", args[2] if len(args) > 2 else None)
@@ -153,11 +164,30 @@ class JacobianDescent(GradientBalancer):
         return self.base
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
-        return gradient_surrogate(grads, self.aggregator(grads.vectors))
+        if self.convention == "torchjd":
+            return gradient_surrogate(grads, self.aggregator(grads.vectors))
+        weighting, clip = self.aggregator.weighting, 0.0
+        if type(self.aggregator).__name__ == "NashMTL":
+            # LibMTL weighs the heads by the unclipped α, then clips the shared parameters' gradient norm
+            # (clip_grad_norm_, ``Nash_MTL.py`` 126-130); torchjd clips α itself.
+            clip, weighting.max_norm = weighting.max_norm, 0.0
+        try:
+            weights = weighting(grads.vectors).to(grads.vectors.dtype)  # what the aggregator's forward does
+        finally:
+            if clip:
+                weighting.max_norm = clip
+        vector = self.shared_factor * (weights @ grads.vectors)
+        if clip and (coefficient := clip / (float(vector.norm()) + 1e-6)) < 1:
+            vector = vector * coefficient
+        if self.heads_weighted:
+            own = [(p, g * weights[task].to(g.dtype), task) for p, g, task in grads.own]
+            grads = TaskGradients(grads.shared, grads.vectors, own)
+        return gradient_surrogate(grads, vector)
 
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
         coefficients = _gramian_weighting(self.aggregator)(gramian)
-        return GramianRule(coefficients, torch.ones_like(coefficients))
+        own = coefficients if self.heads_weighted else torch.ones_like(coefficients)
+        return GramianRule(self.shared_factor * coefficients, own)
 
     @staticmethod
     def check_sharded_rule(spec: dict[str, Any]) -> None:
@@ -165,6 +195,28 @@ class JacobianDescent(GradientBalancer):
         from hydra.utils import instantiate
 
         _gramian_weighting(instantiate(spec["aggregator"]))
+
+
+CONVENTIONS = ("torchjd", "libmtl")
+
+
+def libmtl_form(aggregator: Any, k: int) -> tuple[float, bool]:
+    """How LibMTL's update (median-research-group/LibMTL at 4336804) differs from torchjd's aggregate of the same
+    weights: (its factor on the shared parameters' update, whether it weighs each head by the method's weight).
+
+    CAGrad: ``rescale=1`` (LibMTL's default) divides the update by 1 + c² (``CAGrad.py`` 55-60). Aligned-MTL: α =
+    B.sum(0) where torchjd's is B·(1/K)·1: LibMTL's is K times torchjd's (``Aligned_MTL.py`` 38). Nash-MTL, FairGrad:
+    ``torch.sum(w * losses).backward()`` (``Nash_MTL.py`` 127, ``FairGrad.py`` 40), so each head gets wᵢ times its
+    task's gradient. Every other aggregator: the same update, each head its own task's gradient (LibMTL's
+    per-task ``backward`` before ``_reset_grad``).
+    """
+    name = type(aggregator).__name__
+    if name == "CAGrad":
+        c = next(m.c for m in aggregator.modules() if hasattr(m, "c"))
+        return 1.0 / (1.0 + float(c) ** 2), False
+    if name == "AlignedMTL":
+        return float(k), False
+    return 1.0, name in ("NashMTL", "FairGrad")
 
 
 class IMTL(JacobianDescent):

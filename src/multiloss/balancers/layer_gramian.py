@@ -38,6 +38,17 @@ class LayerGramian:
         self._said = False
         self.steps = 0  # the steps whose Gramian came from the layers (what a test or a benchmark reads)
         self._ids = {id(m) for m in self.layers}
+        # For the message when a shared parameter is not a Linear layer's: its name and its layer's kind.
+        self._where = {
+            id(p): (f"{name}.{pname}" if name else pname, type(m).__name__)
+            for name, m in net.named_modules()
+            for pname, p in m.named_parameters(recurse=False)
+        }
+        self._linear = {
+            name: {id(p) for p in m.parameters(recurse=False)}
+            for name, m in net.named_modules()
+            if isinstance(m, nn.Linear)
+        }
         self._handles = [layer.register_forward_hook(self._record) for layer in self.layers]
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -69,9 +80,16 @@ class LayerGramian:
         owned = {id(p) for m in self.layers for p in m.parameters(recurse=False)}
         outside = [p for p in shared if id(p) not in owned]
         if outside and not self._said:
+            name, kind = self._where.get(id(outside[0]), (f"a parameter {tuple(outside[0].shape)}", "another layer"))
+            chosen = {id(p) for p in shared}
+            linear = ", ".join(n for n, ids in self._linear.items() if ids & chosen) or "<Linear layers of model.net>"
             rank_zero_warn(
-                f"model.balancer: a shared parameter ({tuple(outside[0].shape)}) is not a Linear layer's: the "
-                "rule takes the tasks' K gradients (K backward passes, K × n held), not the layer-by-layer Gramian"
+                f"model.balancer: the shared parameter {name} {tuple(outside[0].shape)} is a {kind}'s, not a Linear "
+                f"layer's ({len(outside)} such): the rule takes the tasks' K gradients (K backward passes, the K "
+                "gradients held) instead of the Gramian layer by layer. To keep it layer by layer, let the rule work "
+                f"on Linear layers only: model.balancer.shared=[{linear}]"
+                " (the other shared parameters then get the tasks' summed gradient); model.balancer.gramian=gradients "
+                "takes the K gradients without this warning"
             )
             self._said = True
         return not outside

@@ -1,0 +1,202 @@
+"""``model.balancer.convention=libmtl``: the methods whose update LibMTL writes otherwise than torchjd equal LibMTL's
+own code, its classes run as its Trainer runs them (the heads' gradients included), 20 SGD steps in float64.
+
+LibMTL transcribed from median-research-group/LibMTL at 4336804847eaa5e0b924b743d76beec7ac3fdc97 (the lines named
+at each method), on `tests.test_balancer_parity`'s net, data and AbsWeighting plumbing (`_LibMTL`). CAGrad's QP is
+solved by scipy's SLSQP there and by cvxpy's Clarabel in torchjd: 20 steps end 5e-9 apart.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_balancer_parity import (
+    BASE,
+    LR,
+    STEPS,
+    TASKS,
+    Net,
+    _changed,
+    _data,
+    _largest_difference,
+    _LibMTL,
+    _losses,
+    _ours,
+)
+
+pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
+K = len(TASKS)
+
+
+def _autograd_grads(lib: _LibMTL, losses: list[torch.Tensor]) -> torch.Tensor:
+    """AbsWeighting._compute_grad(mode='autograd') (abstract_weighting.py 50-52): each task's shared gradient."""
+    grads = torch.zeros(K, lib.grad_dim, dtype=torch.float64)
+    for tn in range(K):
+        grad = list(torch.autograd.grad(losses[tn], list(lib.net.trunk.parameters()), retain_graph=True))
+        grads[tn] = torch.cat([g.view(-1) for g in grad])
+    return grads
+
+
+class _NashMTL:
+    """LibMTL/weighting/Nash_MTL.py lines 28-100 (init_param, _stop_criteria, solve_optimization,
+    _calc_phi_alpha_linearization, _init_optim_problem), as written there."""
+
+    def __init__(self, optim_niter: int = 20) -> None:
+        self.optim_niter, self.task_num = optim_niter, K
+        self.step = 0
+        self.prvs_alpha_param = None
+        self.init_gtg = np.eye(self.task_num)
+        self.prvs_alpha = np.ones(self.task_num, dtype=np.float32)
+        self.normalization_factor = np.ones((1,))
+
+    def _stop_criteria(self, gtg, alpha_t):
+        return (
+            (self.alpha_param.value is None)
+            or (np.linalg.norm(gtg @ alpha_t - 1 / (alpha_t + 1e-10)) < 1e-3)
+            or (np.linalg.norm(self.alpha_param.value - self.prvs_alpha_param.value) < 1e-6)
+        )
+
+    def solve_optimization(self, gtg):
+        import cvxpy as cp
+
+        self.G_param.value = gtg
+        self.normalization_factor_param.value = self.normalization_factor
+        alpha_t = self.prvs_alpha
+        for _ in range(self.optim_niter):
+            self.alpha_param.value = alpha_t
+            self.prvs_alpha_param.value = alpha_t
+            try:
+                self.prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
+            except Exception:  # LibMTL: a bare except
+                self.alpha_param.value = self.prvs_alpha_param.value
+            if self._stop_criteria(gtg, alpha_t):
+                break
+            alpha_t = self.alpha_param.value
+        if alpha_t is not None:
+            self.prvs_alpha = alpha_t
+        return self.prvs_alpha
+
+    def _init_optim_problem(self):
+        import cvxpy as cp
+
+        self.alpha_param = cp.Variable(shape=(self.task_num,), nonneg=True)
+        self.prvs_alpha_param = cp.Parameter(shape=(self.task_num,), value=self.prvs_alpha)
+        self.G_param = cp.Parameter(shape=(self.task_num, self.task_num), value=self.init_gtg)
+        self.normalization_factor_param = cp.Parameter(shape=(1,), value=np.array([1.0]))
+        G_prvs_alpha = self.G_param @ self.prvs_alpha_param
+        prvs_phi_tag = 1 / self.prvs_alpha_param + (1 / G_prvs_alpha) @ self.G_param
+        self.phi_alpha = prvs_phi_tag @ (self.alpha_param - self.prvs_alpha_param)
+        G_alpha = self.G_param @ self.alpha_param
+        constraint = [
+            -cp.log(self.alpha_param[i] * self.normalization_factor_param) - cp.log(G_alpha[i]) <= 0
+            for i in range(self.task_num)
+        ]
+        self.prob = cp.Problem(
+            cp.Minimize(cp.sum(G_alpha) + self.phi_alpha / self.normalization_factor_param), constraint
+        )
+
+
+def _libmtl_run(method: str) -> Net:
+    """LibMTL's Trainer around one method: zero_grad, the weighted losses (cᵢLᵢ), ``weighting.backward``, SGD step."""
+    from scipy.optimize import least_squares, minimize
+
+    net = Net().double()
+    x, y = _data()
+    lib = _LibMTL(net)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    nash = _NashMTL()
+    for t in range(STEPS):
+        torch.manual_seed(100 + t)
+        optimizer.zero_grad()
+        losses = torch.stack(_losses(net, x, y)[1]) * base
+        if method == "aligned_mtl":  # Aligned_MTL.py 18-41 (torch.symeig, gone from torch, is torch.linalg.eigh)
+            grads = lib.compute_grad(losses)
+            M = torch.matmul(grads, grads.t())
+            lmbda, V = torch.linalg.eigh(M)
+            tol = torch.max(lmbda) * max(M.shape[-2:]) * torch.finfo().eps
+            rank = sum(lmbda > tol)
+            order = torch.argsort(lmbda, dim=-1, descending=True)
+            lmbda, V = lmbda[order][:rank], V[:, order][:, :rank]
+            sigma = torch.diag(1 / lmbda.sqrt())
+            B = lmbda[-1].sqrt() * ((V @ sigma) @ V.t())
+            alpha = B.sum(0)
+            lib.reset_grad(
+                sum([alpha[i] * grads[i] for i in range(K)])
+            )  # _backward_new_grads (abstract_weighting.py 102-122)
+        elif method == "cagrad":  # CAGrad.py 27-64, calpha 0.5, rescale 1 (LibMTL's defaults)
+            calpha, rescale = 0.5, 1
+            grads = lib.compute_grad(losses)
+            GG = torch.matmul(grads, grads.t()).cpu()
+            g0_norm = (GG.mean() + 1e-8).sqrt()
+            x_start = np.ones(K) / K
+            bnds = tuple((0, 1) for _ in x_start)
+            cons = {"type": "eq", "fun": lambda w: 1 - sum(w)}
+            A, b, c = GG.numpy(), x_start.copy(), (calpha * g0_norm + 1e-8).item()
+
+            def objfn(w, A=A, b=b, c=c):
+                return (
+                    w.reshape(1, -1).dot(A).dot(b.reshape(-1, 1))
+                    + c * np.sqrt(w.reshape(1, -1).dot(A).dot(w.reshape(-1, 1)) + 1e-8)
+                ).sum()
+
+            ww = torch.tensor(minimize(objfn, x_start, bounds=bnds, constraints=cons).x, dtype=torch.float64)
+            gw = (grads * ww.view(-1, 1)).sum(0)
+            g = grads.mean(0) + c / (gw.norm() + 1e-8) * gw
+            lib.reset_grad(g / (1 + calpha**2) if rescale == 1 else g)
+        elif method == "fairgrad":  # FairGrad.py 19-41, alpha 1
+            grads = _autograd_grads(lib, list(losses))
+            A = torch.mm(grads, grads.t()).data.cpu().numpy()
+            res = least_squares(
+                lambda w, A=A: np.dot(A, w) - np.power(1 / w, 1 / 1.0), np.ones(K) / K, bounds=(0, np.inf)
+            )
+            torch.sum(torch.Tensor(res.x).double() * losses).backward()
+        else:  # nash_mtl: Nash_MTL.py 102-133, update_weights_every 1, optim_niter 20, max_norm 1
+            if nash.step == 0:
+                nash._init_optim_problem()
+            nash.step += 1
+            grads = _autograd_grads(lib, list(losses))
+            GTG = torch.mm(grads, grads.t())
+            nash.normalization_factor = torch.norm(GTG).detach().cpu().numpy().reshape((1,))
+            alpha = nash.solve_optimization((GTG / nash.normalization_factor.item()).cpu().detach().numpy())
+            torch.sum(torch.from_numpy(alpha).to(torch.float32) * losses).backward()
+            torch.nn.utils.clip_grad_norm_(list(net.trunk.parameters()), 1.0)
+        optimizer.step()
+    return net
+
+
+def _ours_libmtl(method: str, gramian: str = "layers") -> Net:
+    import torchjd.aggregation as aggregation
+
+    from multiloss.balancers import JacobianDescent
+
+    make = {
+        "aligned_mtl": lambda: aggregation.AlignedMTL(),
+        "cagrad": lambda: aggregation.CAGrad(c=0.5),
+        "fairgrad": lambda: aggregation.FairGrad(alpha=1.0),
+        "nash_mtl": lambda: aggregation.NashMTL(n_tasks=K, max_norm=1.0, update_weights_every=1, optim_niter=20),
+    }[method]
+    return _ours(lambda net: JacobianDescent(TASKS, BASE, make(), net=net, gramian=gramian, convention="libmtl"))
+
+
+@pytest.mark.parametrize("gramian", ["layers", "gradients"])  # the Gramian layer by layer, or the K gradients
+@pytest.mark.parametrize("method", ["aligned_mtl", "cagrad", "fairgrad", "nash_mtl"])
+def test_convention_libmtl_is_libmtls_code(method, gramian):
+    ours, reference = _ours_libmtl(method, gramian), _libmtl_run(method)
+    worst = _largest_difference(ours, reference)
+    print(f"{method}: largest weight difference to LibMTL {worst:.2g}")  # 3e-16, 5e-9, 2e-9, 5e-9 here
+    assert _changed(ours) and worst <= 1e-6
+
+
+def test_the_torchjd_convention_is_not_libmtls_where_the_two_differ():
+    """The default stays torchjd's (the parity tests of test_balancer_parity): LibMTL's convention is another update."""
+    import torchjd.aggregation as aggregation
+
+    from multiloss.balancers import JacobianDescent
+
+    torchjd_run = _ours(lambda net: JacobianDescent(TASKS, BASE, aggregation.AlignedMTL(), net=net))
+    assert _largest_difference(torchjd_run, _libmtl_run("aligned_mtl")) > 1e-3
