@@ -147,3 +147,32 @@ def test_a_deep_copy_of_a_net_between_its_forward_and_the_step_works_and_records
     recorder.remove()
     net(torch.randn(3, 4))
     assert recorder.calls == {} and not net[0]._forward_hooks
+
+
+def test_the_layer_path_fallback_names_the_parameter_and_the_shared_line_that_keeps_it(tmp_path):
+    """A shared BatchNorm leaves the Gramian rule on the K gradients: the warning names the parameter and its layer, and
+    the ``model.balancer.shared`` it prints keeps the rule layer by layer (no warning then)."""
+    import re
+    import warnings
+
+    cfg = testing.compose(
+        *SHORT, "recipe=weighted", "balancer=pcgrad", "model.net.batch_norm=true", output_dir=tmp_path
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg)
+    (said,) = [str(w.message) for w in caught if "model.balancer: the shared parameter" in str(w.message)]
+    assert "trunk.0.1.weight (128,) is a BatchNorm1d's" in said
+    shared = re.search(r"model\.balancer\.shared=\[([^\]]+)\]", said).group(1).replace(" ", "")
+    cfg = testing.compose(
+        *SHORT,
+        "recipe=weighted",
+        "balancer=pcgrad",
+        "model.net.batch_norm=true",
+        f"model.balancer.shared=[{shared}]",
+        output_dir=tmp_path / "again",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg)
+    assert not [w for w in caught if "model.balancer: the shared parameter" in str(w.message)]
