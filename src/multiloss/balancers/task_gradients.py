@@ -54,30 +54,33 @@ def task_gradients(
     weighs it per task but projects or normalises only on the shared ones.
     """
     params = [p for p in params if p.requires_grad]
-    per_task = [
-        torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=False)
-        for loss in losses
-    ]
-    if shared is None:
-        shared_index = [j for j in range(len(params)) if sum(g[j] is not None for g in per_task) > 1]
+    if shared is None:  # those more than one task's graph reaches (a walk of the graph: nothing computed yet)
+        from multiloss.balancers.layer_gramian import reached
+
+        reach = reached(losses, params)
+        shared_index = [j for j, p in enumerate(params) if sum(id(p) in r for r in reach) > 1]
     else:
         chosen = {id(p) for p in shared}
         shared_index = [j for j, p in enumerate(params) if id(p) in chosen]
-    own = [
-        (p, g[j], task)
-        for j, p in enumerate(params)
-        if j not in shared_index
-        for task, g in enumerate(per_task)
-        if g[j] is not None
-    ]
-    vectors = torch.stack(
-        [
-            torch.cat([(g[j] if g[j] is not None else torch.zeros_like(params[j])).reshape(-1) for j in shared_index])
-            if shared_index
-            else params[0].new_zeros(0)
-            for g in per_task
-        ]
-    )
+    # One task's gradients at a time, their shared part written into its row and dropped: the K × n rows are the
+    # one copy held (not the K gradients, their flattened rows and the stacked matrix at once).
+    is_shared = set(shared_index)
+    n = sum(params[j].numel() for j in shared_index)
+    like = params[shared_index[0]] if shared_index else params[0]
+    vectors = like.new_zeros(len(losses), n)
+    own = []
+    for task, loss in enumerate(losses):
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=False)
+        offset = 0
+        for j in shared_index:
+            size = params[j].numel()
+            if grads[j] is not None:
+                vectors[task, offset : offset + size] = grads[j].reshape(-1)
+            offset += size
+        own += [(params[j], g, task) for j, g in enumerate(grads) if j not in is_shared and g is not None]
+        del grads
+    position = {id(p): j for j, p in enumerate(params)}
+    own.sort(key=lambda item: position[id(item[0])])  # by parameter, then task (a stable sort), as before
     return TaskGradients([params[j] for j in shared_index], vectors, own)
 
 
