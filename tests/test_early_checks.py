@@ -80,6 +80,10 @@ FOUND_EARLY = [
     "trainer=fsdp_cpu trainer.precision=bf16-mixed",
     "collective_timeout=0",
     "nonfinite=maybe",
+    "data=images data.path=/no/such/images",  # the file system read before the imports, as the run reads it
+    "data=samples data.path=/no/such/samples",
+    "data=npz data.path=/no/such/arrays.npz",
+    "data=images data.path=/tmp data.labels=tags",
 ]
 FOUND_EARLY.remove("model.head_weights=[1,2]")  # counted against the net's heads: the net is built for it
 FOUND_EARLY.remove("model.net.num_classes=1")  # the net run on a batch

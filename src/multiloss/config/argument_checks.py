@@ -266,6 +266,10 @@ _PURE_FUNCTIONS = {
     *(v for v in vars(math).values() if callable(v)),
     *(getattr(operator, n) for n in dir(operator) if not n.startswith("_") and callable(getattr(operator, n))),
     *(getattr(inspect, n) for n in dir(inspect) if n.startswith("is") and callable(getattr(inspect, n))),
+    # They read the file system, never write: the answer the run's own check gets a second later (a data path).
+    os.path.isfile,
+    os.path.isdir,
+    os.path.exists,
     OmegaConf.to_container,
     OmegaConf.is_missing,
     OmegaConf.is_config,

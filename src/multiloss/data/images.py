@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,13 @@ class ImagesDataModule(ArrayDataModule):
         val_fraction: float | None = None,
         **kwargs,
     ) -> None:
+        require(
+            os.path.isdir(path) or (os.path.isfile(path) and str(path).lower().endswith(".zip")),
+            "path",
+            str(path),
+            "a folder of images or a .zip of them",
+            "not a folder or a .zip" if os.path.exists(path) else "no such folder",
+        )
         fraction = (0.0 if val_path is not None else 0.2) if val_fraction is None else val_fraction
         super().__init__(val_fraction=fraction, **kwargs)
         self.given_parts(val_path, test_path)
@@ -150,11 +158,11 @@ class ImagesDataModule(ArrayDataModule):
 
     def _read(self, path: Path, key: str) -> dict[str, torch.Tensor | LazyColumn]:
         require(
-            path.is_dir() or (path.is_file() and path.suffix.lower() == ".zip"),
+            os.path.isdir(path) or (os.path.isfile(path) and str(path).lower().endswith(".zip")),
             key,
             str(path),
             "a folder of images or a .zip of them",
-            "no such folder" if not path.exists() else "not a folder or a .zip",
+            "not a folder or a .zip" if os.path.exists(path) else "no such folder",
         )
         store = FileStore(path)
         try:

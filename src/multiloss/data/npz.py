@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -66,6 +67,7 @@ class NpzDataModule(ArrayDataModule):
         lazy: bool | None = None,
         **kwargs,
     ) -> None:
+        require(os.path.isfile(path), "path", str(path), "an existing .npz (or .npy) file", "no such file")
         require(lazy in (None, True, False), "lazy", lazy, "true, false, or null (.npy files lazy, .npz in memory)")
         require(
             not (lazy and layout == "streams"),

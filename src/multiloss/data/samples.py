@@ -4,6 +4,7 @@ sample at a time."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +87,14 @@ class SamplesDataModule(ArrayDataModule):
         val_fraction: float | None = None,
         **kwargs,
     ) -> None:
+        require(
+            os.path.isdir(path),
+            "path",
+            path,
+            "a folder of per-key folders (or of train/, val/ folders of them)",
+            "not a folder" if os.path.exists(path) else "no such folder",
+        )
         root = Path(path)
-        require(root.is_dir(), "path", path, "a folder of per-key folders (or of train/, val/ folders of them)")
         nested = (root / "train").is_dir() and val_path is None and test_path is None
         folders = {"train": (root / "train", "path")} if nested else {"train": (root, "path")}
         for part, given, key in (("val", val_path, "val_path"), ("test", test_path, "test_path")):
