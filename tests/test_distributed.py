@@ -639,5 +639,5 @@ def test_nodes_that_never_start_are_named_within_seconds_and_the_wait_ends_in_on
     assert f"MASTER_PORT={port}" in waiting and "srun" in waiting and "torchrun --nnodes" in waiting
     assert stopped.startswith("multiloss: run stopped: 2 of 4 ranks") and "in 12 s (rendezvous_timeout)" in stopped
     assert "Traceback" not in proc.stderr and "DistStoreError" not in proc.stderr
-    assert took < 30, took
+    assert took < 60, took  # rendezvous_timeout=12 plus start-up on a busy 2-core machine: not the 1800 s of before
     assert not out.exists()  # stopped before the run wrote anything

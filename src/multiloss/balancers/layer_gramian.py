@@ -49,7 +49,7 @@ class LayerGramian:
             for name, m in net.named_modules()
             if isinstance(m, nn.Linear)
         }
-        self._handles = [layer.register_forward_hook(self._record) for layer in self.layers]
+        self.handles = [layer.register_forward_hook(self._record) for layer in self.layers]
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         recording = id(module) in self._ids and torch.is_grad_enabled()
@@ -61,9 +61,9 @@ class LayerGramian:
 
     def remove(self) -> None:
         """Take the hooks off the layers and drop what they recorded."""
-        for handle in self._handles:
+        for handle in self.handles:
             handle.remove()
-        self._handles, self._ids = [], set()
+        self.handles, self._ids = [], set()
         self.clear()
 
     def __deepcopy__(self, memo: dict) -> LayerGramian:
@@ -71,7 +71,7 @@ class LayerGramian:
         # copy's recorder records nothing (its layers are not these), and no recorded activation (a non-leaf tensor,
         # which cannot be deep-copied) is copied.
         inert = LayerGramian.__new__(LayerGramian)
-        inert.layers, inert.calls, inert._said, inert.steps, inert._ids, inert._handles = [], {}, True, 0, set(), []
+        inert.layers, inert.calls, inert._said, inert.steps, inert._ids, inert.handles = [], {}, True, 0, set(), []
         return inert
 
     def covers(self, shared: Sequence[nn.Parameter]) -> bool:
