@@ -84,6 +84,9 @@ FOUND_EARLY = [
     "data=samples data.path=/no/such/samples",
     "data=npz data.path=/no/such/arrays.npz",
     "data=images data.path=/tmp data.labels=tags",
+    "data=images data.path=/tmp data.val_path=/no/such/images",
+    "recipe=tbptt data=text data.path=/no/such/text.txt",
+    f"recipe=tbptt data=text data.path={Path(__file__).resolve()} data.test_path=/no/such/text.txt",
 ]
 FOUND_EARLY.remove("model.head_weights=[1,2]")  # counted against the net's heads: the net is built for it
 FOUND_EARLY.remove("model.net.num_classes=1")  # the net run on a batch

@@ -126,13 +126,16 @@ class ImagesDataModule(ArrayDataModule):
         val_fraction: float | None = None,
         **kwargs,
     ) -> None:
-        require(
-            os.path.isdir(path) or (os.path.isfile(path) and str(path).lower().endswith(".zip")),
-            "path",
-            str(path),
-            "a folder of images or a .zip of them",
-            "not a folder or a .zip" if os.path.exists(path) else "no such folder",
-        )
+        for given, key in ((path, "path"), (val_path, "val_path"), (test_path, "test_path")):
+            require(
+                given is None
+                or os.path.isdir(given)
+                or (os.path.isfile(given) and str(given).lower().endswith(".zip")),
+                key,
+                str(given),
+                "a folder of images or a .zip of them",
+                "not a folder or a .zip" if given is not None and os.path.exists(given) else "no such folder",
+            )
         fraction = (0.0 if val_path is not None else 0.2) if val_fraction is None else val_fraction
         super().__init__(val_fraction=fraction, **kwargs)
         self.given_parts(val_path, test_path)

@@ -67,7 +67,23 @@ class NpzDataModule(ArrayDataModule):
         lazy: bool | None = None,
         **kwargs,
     ) -> None:
+        # Each file there before anything is read (the early checker reads these too, before the imports).
         require(os.path.isfile(path), "path", str(path), "an existing .npz (or .npy) file", "no such file")
+        require(
+            val_path is None or os.path.isfile(val_path),
+            "val_path",
+            str(val_path),
+            "an existing .npz (or .npy) file",
+            "no such file",
+        )
+        require(
+            test_path is None or os.path.isfile(test_path),
+            "test_path",
+            str(test_path),
+            "an existing .npz (or .npy) file",
+            "no such file",
+        )
+        require(y_path is None or os.path.isfile(y_path), "y_path", y_path, "an existing .npy file of labels")
         require(lazy in (None, True, False), "lazy", lazy, "true, false, or null (.npy files lazy, .npz in memory)")
         require(
             not (lazy and layout == "streams"),

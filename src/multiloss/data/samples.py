@@ -94,12 +94,13 @@ class SamplesDataModule(ArrayDataModule):
             "a folder of per-key folders (or of train/, val/ folders of them)",
             "not a folder" if os.path.exists(path) else "no such folder",
         )
+        for given, key in ((val_path, "val_path"), (test_path, "test_path")):
+            require(given is None or os.path.isdir(given), key, given, "a folder of the same key folders as data.path")
         root = Path(path)
         nested = (root / "train").is_dir() and val_path is None and test_path is None
         folders = {"train": (root / "train", "path")} if nested else {"train": (root, "path")}
         for part, given, key in (("val", val_path, "val_path"), ("test", test_path, "test_path")):
             if given is not None:
-                require(Path(given).is_dir(), key, given, "a folder of the same key folders as data.path")
                 folders[part] = (Path(given), key)
             elif nested and (root / part).is_dir():
                 folders[part] = (root / part, "path")

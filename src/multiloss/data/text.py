@@ -23,6 +23,7 @@ network's size, for sampling, and into its checkpoints), and its ``layout``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -84,6 +85,8 @@ class TextDataModule(ArrayDataModule):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        for given, key in ((path, "path"), (val_path, "val_path"), (test_path, "test_path")):
+            require(given is None or os.path.isfile(given), key, given, "an existing text file", "no such file")
         require(
             val_path is None or not val_fraction,
             "val_fraction",
