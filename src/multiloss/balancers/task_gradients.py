@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from multiloss.balancers.layer_gramian import reached
 from multiloss.config import require
 
 
@@ -55,8 +56,6 @@ def task_gradients(
     """
     params = [p for p in params if p.requires_grad]
     if shared is None:  # those more than one task's graph reaches (a walk of the graph: nothing computed yet)
-        from multiloss.balancers.layer_gramian import reached
-
         reach = reached(losses, params)
         shared_index = [j for j, p in enumerate(params) if sum(id(p) in r for r in reach) > 1]
     else:

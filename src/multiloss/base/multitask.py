@@ -120,12 +120,9 @@ class MultiTaskRecipe(Recipe):
         """The checkpoint's balancer state loads into the balancer this run builds for its tasks (a throwaway one:
         the run's own is built as the weights load)."""
         super().check_checkpoint(checkpoint, path)
-        names = checkpoint.get(TASKS_KEY)
-        if not names and OLD_HEAD_COUNT_KEY in checkpoint:
-            names = [f"head{i}" for i in range(int(checkpoint[OLD_HEAD_COUNT_KEY]))]
+        names = saved_task_names(checkpoint)
         if not names:
             return
-        names = list(names)
         probe = build_balancer(self.balancer_spec, names, self.configured_weights(names), self.net, "model.balancer")
         try:
             check_saved_balancer(checkpoint, probe, self.balancer_spec, path, sharded=is_sharded_checkpoint(path))
@@ -143,7 +140,7 @@ class MultiTaskRecipe(Recipe):
         both recipes), whose balancer was registered after the net: its optimizer state put in today's order."""
         if OLD_HEAD_COUNT_KEY not in checkpoint:
             return []
-        names = [f"head{i}" for i in range(int(checkpoint[OLD_HEAD_COUNT_KEY]))]
+        names = saved_task_names(checkpoint)
         self.set_tasks(names)
         moved = len(list(self.balancer.parameters())) if self.balancer is not None else 0
         for state in checkpoint.get("optimizer_states", []) if moved else []:
@@ -152,3 +149,10 @@ class MultiTaskRecipe(Recipe):
             # Index i of the old order (net, then balancer) is i + moved in today's (balancer, then net).
             state["state"] = {(i + moved) % total: v for i, v in state["state"].items()}
         return names
+
+
+def saved_task_names(checkpoint: dict[str, Any]) -> list[str]:
+    """The tasks a checkpoint's balancer was built for: named, or (older multihead checkpoints) ``head0`` … by count."""
+    if names := checkpoint.get(TASKS_KEY):
+        return list(names)
+    return [f"head{i}" for i in range(int(checkpoint.get(OLD_HEAD_COUNT_KEY, 0)))]

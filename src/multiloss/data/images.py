@@ -160,13 +160,7 @@ class ImagesDataModule(ArrayDataModule):
                 check_like_training(self.parts[part], self.parts["train"], key, str(path))
 
     def _read(self, path: Path, key: str) -> dict[str, torch.Tensor | LazyColumn]:
-        require(
-            os.path.isdir(path) or (os.path.isfile(path) and str(path).lower().endswith(".zip")),
-            key,
-            str(path),
-            "a folder of images or a .zip of them",
-            "not a folder or a .zip" if os.path.exists(path) else "no such folder",
-        )
+        """One part's images and labels (its path checked in ``__init__``)."""
         store = FileStore(path)
         try:
             names = store.names()

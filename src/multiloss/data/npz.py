@@ -141,7 +141,6 @@ class NpzDataModule(ArrayDataModule):
 
     def _arrays(self, path: Path, key: str, options: dict) -> tuple[dict[str, torch.Tensor], Vocabulary | None]:
         """One file's arrays as tensors (renamed, flattened, converted and checked), and the vocabulary it names."""
-        require(path.is_file(), key, str(path), "an existing .npz (or .npy) file", "no such file")
         arrays = self._read(path, key, options["keys"])
         vocab = _vocabulary(arrays, path, key)
         rename, flatten, dtypes = options["rename"], options["flatten"], options["dtypes"]
@@ -200,7 +199,6 @@ class NpzDataModule(ArrayDataModule):
             if path.suffix == ".npy":
                 arrays = {"x": NpyRows.in_file(path, key) if lazy else np.load(path, allow_pickle=False)}
                 if self.y_path is not None and key == "path":
-                    require(Path(self.y_path).is_file(), "y_path", self.y_path, "an existing .npy file of labels")
                     y = Path(self.y_path)
                     arrays["y"] = NpyRows.in_file(y, "y_path") if lazy else np.load(y, allow_pickle=False)
             elif lazy:

@@ -151,7 +151,6 @@ class TextDataModule(ArrayDataModule):
         """The file's text (bytes at ``level=bytes``), or the pydoc corpus."""
         if path is None:
             return pydoc_text().encode("utf-8") if self.level == "bytes" else pydoc_text()
-        require(Path(path).is_file(), key, path, "an existing text file", "no such file")
         try:
             raw = Path(path).read_bytes()
         except OSError as err:
