@@ -412,20 +412,3 @@ def test_the_gramian_layer_by_layer_gives_the_step_of_the_task_gradients(name):
     layers, gradients = run("layers"), run("gradients")
     print(f"{name}: layers vs gradients {_largest_difference(layers, gradients):.2g}")
     assert _changed(layers) and _largest_difference(layers, gradients) <= 1e-6
-
-
-def test_a_shared_layer_that_is_not_linear_takes_the_task_gradients_and_says_so():
-    from multiloss.balancers import PCGrad
-
-    net = Net().double()
-    net.trunk[0] = nn.Conv1d(1, 8, 6).double()  # a convolution in the trunk
-    net.trunk.insert(1, nn.Flatten())
-    balancer = PCGrad(TASKS, BASE, net=net, shared=None)
-    balancer._layers = __import__("multiloss.balancers.layer_gramian").balancers.layer_gramian.LayerGramian(net)
-    x, y = _data()
-    h = net.trunk(x[:, None, :])
-    losses = [F.mse_loss(head(h).squeeze(-1), y[:, i]) for i, head in enumerate(net.heads)]
-    with pytest.warns(UserWarning, match="not a Linear layer"):
-        surrogate = balancer.surrogate(losses, list(net.parameters()))
-    surrogate.backward()
-    assert all(p.grad is not None for p in net.parameters())

@@ -1,141 +1,268 @@
-"""The tasks' Gramian on the shared layers, layer by layer, without any task's gradient of a weight (K × n never held).
+"""The tasks' Gramian on the shared layers, one segment of the net at a time: the K task gradients never held at once.
 
 A gradient rule that needs only Gᵢⱼ = gᵢ·gⱼ (PCGrad, GradNorm, UPGrad, MGDA, CAGrad, ... : ``gramian_rule``) does not
-need the K task gradients of the shared parameters. For a ``nn.Linear`` layer with inputs X (N × d_in, the rows of
-every call in the step) and task i's gradient Δᵢ of its outputs (N × d_out), task i's weight gradient is Δᵢᵀ·X, so
+need the K task gradients of all the shared parameters together: G is a sum over the parameters, so each part of the
+net can give its K gradients, add their Gramian, and drop them before the next part's are computed.
+
+The parts are cut at *boundaries*: the outputs of the net's modules (a Linear, a Conv2d, a BatchNorm, a whole residual
+block) through which every path from the losses to what lies before them passes. One backward of the K losses,
+vectorised over the tasks (``is_grads_batched``), runs down the net a segment at a time: from a boundary's K
+gradients (the tasks' gradients of that output, K × its size) to the next boundary's and to the K gradients of the
+segment's parameters, which are folded into G and dropped. What is held is one segment's K gradients and one
+boundary's, not K × n — a Sequential trunk of Conv2d + BatchNorm + ReLU is one layer a segment; a ResNet, one block.
+A Linear layer whose output is a boundary gives its Gramian from its inputs X (N × d_in) and its outputs' K
+gradients Δᵢ (N × d_out) without its weight gradients (K × d_out × d_in), where N ≤ d_in:
 
     gᵢ·gⱼ (weight) = Σ_{r,s} (Δᵢ Δⱼᵀ)_{rs} (X Xᵀ)_{rs},      gᵢ·gⱼ (bias) = (Σ_r Δᵢ,r)·(Σ_r Δⱼ,r)
 
 — the trick torchjd's ``autogram.Engine`` uses for its batched Gramians (its per-sample losses; a task loss here is
-a batch mean, so the K task losses are differentiated instead). The Δᵢ of every layer come from one backward of the
-K losses vectorised over the tasks (``is_grads_batched``) to the layers' outputs only: no weight gradient is
-computed, and what is held is K × N × d_out per layer, not K × d_out × d_in. A layer with more rows than inputs
-(N > d_in: long sequences) takes its K weight gradients instead, one layer at a time (K × that layer's n).
+a batch mean, so the K task losses are differentiated instead).
 
 The step's gradient is then one backward of Σᵢ αᵢ·Lᵢ (the rule's coefficients on the shared layers), each task's
 own parameters (its head) corrected to their own coefficient βᵢ from their gradients (small: the heads'). Forward
-hooks on the shared Linear layers record their inputs and outputs while gradients are on; a shared parameter
-outside a Linear layer (a convolution, BatchNorm, an RNN, a bare parameter) leaves the rule on the K gradients,
-said once.
+hooks on the net's modules record where their outputs sit in the graph (``GradientEdge``: a later in-place op does
+not move it) while gradients are on. Where the vectorised backward cannot run (an operation without a batching rule
+that raises), the rule takes the K gradients instead, said once with the parameters concerned.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+@dataclass
+class _Cut:
+    """A module output in the step's graph: a candidate boundary, the calls that returned it."""
+
+    edge: GradientEdge
+    calls: list[tuple[nn.Module, torch.Tensor | None, torch.Size]] = field(default_factory=list)  # module, X, shape
 
 
 class LayerGramian:
-    """Records the Linear layers of ``net`` in each forward with gradients on, and computes the tasks' Gramian on the
-    shared parameters from them (`gramian`) when they cover those parameters (`covers`)."""
+    """Records where the outputs of ``net``'s modules sit in each forward with gradients on, and computes the tasks'
+    Gramian on the shared parameters from the graph, segment by segment (`gramian`)."""
 
     def __init__(self, net: nn.Module) -> None:
-        self.layers = [m for m in net.modules() if isinstance(m, nn.Linear)]
-        self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by the module's id, at its forward
+        self.layers = list(net.modules())
+        self.cuts: dict[int, _Cut] = {}  # by the graph node of a module's output, in the order of the forward
         self._said = False
-        self.steps = 0  # the steps whose Gramian came from the layers (what a test or a benchmark reads)
-        self._ids = {id(m) for m in self.layers}
-        # For the message when a shared parameter is not a Linear layer's: its name and its layer's kind.
-        self._where = {
-            id(p): (f"{name}.{pname}" if name else pname, type(m).__name__)
-            for name, m in net.named_modules()
-            for pname, p in m.named_parameters(recurse=False)
-        }
-        self._linear = {
-            name: {id(p) for p in m.parameters(recurse=False)}
-            for name, m in net.named_modules()
-            if isinstance(m, nn.Linear)
-        }
+        self.steps = 0  # the steps whose Gramian came from the segments (what a test or a benchmark reads)
+        self.largest_segment = 0  # the most shared parameters one segment held K gradients of (a benchmark reads it)
+        self._names = {id(p): name for name, p in net.named_parameters()}
+        self._module_names = {id(m): name or "model.net" for name, m in net.named_modules()}
         self.handles = [layer.register_forward_hook(self._record) for layer in self.layers]
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        recording = id(module) in self._ids and torch.is_grad_enabled()
-        if recording and isinstance(output, torch.Tensor) and output.requires_grad:
-            self.calls.setdefault(id(module), []).append((args[0], output))
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.grad_fn is not None):
+            return
+        edge = get_gradient_edge(output)
+        cut = self.cuts.setdefault(id(edge.node), _Cut(edge))
+        if cut.edge.output_nr != edge.output_nr:  # two outputs of one node: neither can be a boundary alone
+            cut.edge = GradientEdge(edge.node, -1)
+        x = args[0] if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor) else None
+        cut.calls.append((module, x, output.shape))
 
     def clear(self) -> None:
-        self.calls.clear()
+        self.cuts = {}
 
     def remove(self) -> None:
-        """Take the hooks off the layers and drop what they recorded."""
+        """Take the hooks off the modules and drop what they recorded."""
         for handle in self.handles:
             handle.remove()
-        self.handles, self._ids = [], set()
+        self.handles = []
         self.clear()
 
     def __deepcopy__(self, memo: dict) -> LayerGramian:
         # A deep copy of the net (an EMA copy, a user's snapshot) copies its hooks, and with them this recorder: the
-        # copy's recorder records nothing (its layers are not these), and no recorded activation (a non-leaf tensor,
-        # which cannot be deep-copied) is copied.
+        # copy's recorder records nothing (its modules are not these), and nothing of a step's graph is copied.
         inert = LayerGramian.__new__(LayerGramian)
-        inert.layers, inert.calls, inert._said, inert.steps, inert._ids, inert.handles = [], {}, True, 0, set(), []
+        inert.layers, inert.cuts, inert._said, inert.steps, inert.handles = [], {}, True, 0, []
+        inert.largest_segment, inert._names, inert._module_names = 0, {}, {}
         return inert
 
-    def covers(self, shared: Sequence[nn.Parameter]) -> bool:
-        """Whether every shared parameter is a Linear layer's weight or bias (else say once which is not)."""
-        # The layers' parameters as they are now (FSDP2 swaps in whole ones for a step held whole).
-        owned = {id(p) for m in self.layers for p in m.parameters(recurse=False)}
-        outside = [p for p in shared if id(p) not in owned]
-        if outside and not self._said:
-            name, kind = self._where.get(id(outside[0]), (f"a parameter {tuple(outside[0].shape)}", "another layer"))
-            chosen = {id(p) for p in shared}
-            linear = ", ".join(n for n, ids in self._linear.items() if ids & chosen) or "<Linear layers of model.net>"
-            rank_zero_warn(
-                f"model.balancer: the shared parameter {name} {tuple(outside[0].shape)} is a {kind}'s, not a Linear "
-                f"layer's ({len(outside)} such): the rule takes the tasks' K gradients (K backward passes, the K "
-                "gradients held) instead of the Gramian layer by layer. To keep it layer by layer, let the rule work "
-                f"on Linear layers only: model.balancer.shared=[{linear}]"
-                " (the other shared parameters then get the tasks' summed gradient); model.balancer.gramian=gradients "
-                "takes the K gradients without this warning"
-            )
-            self._said = True
-        return not outside
-
-    def gramian(self, losses: torch.Tensor, shared: Sequence[nn.Parameter]) -> torch.Tensor:
-        """The K × K Gramian of the gradients of ``losses`` (a vector, graph on, kept) on ``shared`` (Linear
-        layers' parameters), in float32 or wider."""
-        k = len(losses)
+    def gramian(self, losses: torch.Tensor, shared: Sequence[nn.Parameter]) -> torch.Tensor | None:
+        """The K × K Gramian of the gradients of ``losses`` (a vector, graph on, kept) on ``shared``, in float32 or
+        wider; None (said once) where the vectorised backward cannot run (the rule then takes the K gradients)."""
         chosen = {id(p) for p in shared}
-        layers = [m for m in self.layers if any(id(p) in chosen for p in m.parameters(recurse=False))]
-        recorded = [(m, x, out) for m in layers for x, out in self.calls.get(id(m), [])]
-        dtype = torch.promote_types(losses.dtype, torch.float32)
-        gramian = torch.zeros(k, k, dtype=dtype, device=losses.device)
-        if recorded:
-            eye = torch.eye(k, dtype=losses.dtype, device=losses.device)
-            deltas = torch.autograd.grad(
-                losses,
-                [out for _, _, out in recorded],
-                grad_outputs=eye,
-                is_grads_batched=True,
-                retain_graph=True,
-                allow_unused=True,
-            )
-            for layer in layers:
-                rows = [(x, d) for (m, x, _), d in zip(recorded, deltas) if m is layer and d is not None]
-                if rows:
-                    gramian += _layer_gramian(layer, rows, chosen, dtype)
+        cuts = [c for c in self.cuts.values() if c.edge.output_nr >= 0]
         self.clear()
+        graph = _CutGraph(losses, cuts)
+        calls = Counter(id(module) for cut in cuts for module, _, _ in cut.calls)
+        dtype = torch.promote_types(losses.dtype, torch.float32)
+        k = len(losses)
+        gramian = torch.zeros(k, k, dtype=dtype, device=losses.device)
+        boundaries = graph.boundaries()
+        tops: list[int | None] = [None, *boundaries]  # None: the losses
+        delta: torch.Tensor | None = torch.eye(k, dtype=losses.dtype, device=losses.device)
+        for top, bottom in zip(tops, [*boundaries, None]):
+            if delta is None:  # nothing of the losses reaches below here
+                break
+            segment = graph.segment_parameters(top, bottom)
+            by_rows = _rows_layers(cuts[top], chosen, graph.only_from(top, bottom), calls) if top is not None else []
+            by_rows_ids = {id(p) for module, _, _ in by_rows for p in _own(module)}
+            wanted = [p for p in segment if id(p) in chosen and id(p) not in by_rows_ids]
+            self.largest_segment = max(self.largest_segment, sum(p.numel() for p in wanted))
+            inputs = ([cuts[bottom].edge] if bottom is not None else []) + wanted
+            outputs = losses if top is None else cuts[top].edge
+            try:
+                grads = (
+                    torch.autograd.grad(
+                        outputs,
+                        inputs,
+                        grad_outputs=delta,
+                        is_grads_batched=True,
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                    if inputs
+                    else ()
+                )
+            except RuntimeError as error:
+                self._say(cuts, top, bottom, [p for p in segment if id(p) in chosen], error)
+                return None
+            for module, x, shape in by_rows:
+                gramian += _rows_gramian(module, x, delta.reshape(k, *shape), chosen, dtype)
+            for g in grads[len(inputs) - len(wanted) :]:
+                if g is not None:
+                    flat = g.reshape(k, -1).to(dtype)
+                    gramian += flat @ flat.T
+            delta = grads[0] if bottom is not None else None
+            del grads
         self.steps += 1
         return gramian
 
+    def _say(
+        self, cuts: list[_Cut], top: int | None, bottom: int | None, params: list[nn.Parameter], error: Exception
+    ) -> None:
+        if self._said:
+            return
 
-def _layer_gramian(
-    layer: nn.Linear, rows: list[tuple[torch.Tensor, torch.Tensor]], chosen: set[int], dtype: torch.dtype
+        def where(i: int | None, end: str) -> str:
+            modules = (
+                [self._module_names.get(id(m), type(m).__name__) for m, _, _ in cuts[i].calls] if i is not None else []
+            )
+            return f"the output of {' / '.join(modules) or 'a module'}" if modules else end
+
+        names = [self._names.get(id(p), f"a parameter {tuple(p.shape)}") for p in params]
+        shared = (
+            f" (shared parameters there: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''})" if names else ""
+        )
+        rank_zero_warn(
+            f"model.balancer: the tasks' Gramian could not be taken segment by segment: the tasks' backward vectorised "
+            f"from {where(top, 'the losses')} to {where(bottom, 'the inputs')}{shared} failed "
+            f"({str(error).splitlines()[0][:200]}). The rule takes the tasks' K gradients instead (K backward passes, "
+            "the K gradients held). An operation there has no batching rule for torch.vmap: a custom "
+            "autograd.Function takes one with generate_vmap_rule=True or a vmap staticmethod; or let the rule work "
+            "on the layers below it (model.balancer.shared=[<module names of model.net>]); "
+            "model.balancer.gramian=gradients takes the K gradients without this warning"
+        )
+        self._said = True
+
+
+class _CutGraph:
+    """The step's graph as seen from its cuts: for the losses and each cut, which cuts and parameters it reaches
+    before any other cut (a walk of the autograd graph: nothing computed)."""
+
+    def __init__(self, losses: torch.Tensor, cuts: list[_Cut]) -> None:
+        self.index = {id(c.edge.node): i for i, c in enumerate(cuts)}
+        self.params: dict[int, nn.Parameter] = {}
+        self.reach: list[set[int]] = []  # cuts reached first, for the losses (at -1 … stored last) and each cut
+        self.own: list[set[int]] = []
+        for cut in cuts:
+            self._walk([next_node for next_node, _ in cut.edge.node.next_functions])
+        self._walk([losses.grad_fn])  # the losses' own, last: index -1
+
+    def _walk(self, starts: list) -> None:
+        cuts_hit, params_hit, seen, stack = set(), set(), set(), list(starts)
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if id(node) in self.index:
+                cuts_hit.add(self.index[id(node)])
+                continue
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                self.params[id(variable)] = variable
+                params_hit.add(id(variable))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        self.reach.append(cuts_hit)
+        self.own.append(params_hit)
+
+    def _closure(self, start: int, avoid: int | None = None) -> set[int]:
+        """The cuts reachable from ``start`` (a cut, or -1: the losses), itself included, not passing ``avoid``."""
+        found, stack = {start}, [start]
+        while stack:
+            for j in self.reach[stack.pop()]:
+                if j != avoid and j not in found:
+                    found.add(j)
+                    stack.append(j)
+        return found
+
+    def _parameters(self, cuts: set[int]) -> set[int]:
+        return set().union(*(self.own[c] for c in cuts)) if cuts else set()
+
+    def boundaries(self) -> list[int]:
+        """The cuts the losses reach that every path from the losses to what lies before them passes (and no parameter
+        is reached from both sides of), from the losses down: the segments' ends, each below the one before."""
+        found, reached_cuts = [], self._closure(-1)
+        for d in sorted(reached_cuts - {-1}, reverse=True):
+            above = self._closure(-1, avoid=d)
+            if any(c < d for c in above - {-1}):  # a path to an earlier cut around d
+                continue
+            if not (self._parameters(above) & self._parameters(self._closure(d))):
+                found.append(d)
+        return found
+
+    def only_from(self, top: int, bottom: int | None) -> set[int]:
+        """The parameters ``top`` reaches before any cut that no other cut of its segment reaches."""
+        others = self._closure(top, avoid=bottom) - {top}
+        return self.own[top] - self._parameters(others)
+
+    def segment_parameters(self, top: int | None, bottom: int | None) -> list[nn.Parameter]:
+        """The parameters reached from ``top`` (None: the losses) before ``bottom`` (None: to the graph's end)."""
+        hit = self._parameters(self._closure(-1 if top is None else top, avoid=bottom))
+        return [p for i, p in self.params.items() if i in hit]
+
+
+def _own(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def _rows_layers(
+    cut: _Cut, chosen: set[int], own: set[int], calls: Counter
+) -> list[tuple[nn.Module, torch.Tensor, torch.Size]]:
+    """The Linear layer that returned this boundary, called once in the step, its parameters reached from here
+    only (``own``), its rows no more than its inputs: its Gramian from its inputs and its outputs' K gradients."""
+    with_parameters = [call for call in cut.calls if _own(call[0])]
+    if len(with_parameters) != 1:
+        return []
+    module, x, _ = with_parameters[0]
+    if x is None or calls[id(module)] != 1 or not any(id(p) in chosen for p in _own(module)):
+        return []
+    if not all(id(p) in own for p in _own(module)) or x.numel() // x.shape[-1] > x.shape[-1]:
+        return []
+    return [with_parameters[0]]
+
+
+def _rows_gramian(
+    layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, chosen: set[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    x = torch.cat([x.detach().reshape(-1, x.shape[-1]) for x, _ in rows]).to(dtype)  # N × d_in
-    d = torch.cat([d.reshape(d.shape[0], -1, d.shape[-1]) for _, d in rows], dim=1).to(dtype)  # K × N × d_out
+    x = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # N × d_in
+    d = delta.reshape(delta.shape[0], -1, delta.shape[-1]).to(dtype)  # K × N × d_out
     k = d.shape[0]
     gramian = torch.zeros(k, k, dtype=dtype, device=d.device)
     if id(layer.weight) in chosen:
-        if x.shape[0] <= x.shape[1]:  # the rows' Gramian: N × N
-            mixed = torch.einsum("rs,ksd->krd", x @ x.T, d)
-            gramian += torch.einsum("ird,jrd->ij", d, mixed)
-        else:  # more rows than inputs: this layer's K weight gradients
-            weights = torch.einsum("krd,ri->kdi", d, x).reshape(k, -1)
-            gramian += weights @ weights.T
+        mixed = torch.einsum("rs,ksd->krd", x @ x.T, d)
+        gramian += torch.einsum("ird,jrd->ij", d, mixed)
     if layer.bias is not None and id(layer.bias) in chosen:
         bias = d.sum(dim=1)
         gramian += bias @ bias.T

@@ -241,7 +241,7 @@ class GradientBalancer(Balancer):
             gramian in ("layers", "gradients"),
             "gramian",
             gramian,
-            "layers (the tasks' Gramian layer by layer, no K × n gradients held, where the shared layers are Linear) "
+            "layers (the tasks' Gramian segment by segment, the K gradients of one layer or block held at a time) "
             "or gradients (the K task gradients)",
         )
         require(
@@ -316,18 +316,18 @@ class GradientBalancer(Balancer):
         shared: Sequence[nn.Parameter] | None,
     ) -> torch.Tensor | None:
         """The rule from the Gramian layer by layer (`layer_gramian`), as the loss Σᵢ αᵢ·cᵢLᵢ whose one backward is
-        the step's gradient — each task's own parameters corrected to their coefficient βᵢ; None where the shared
-        parameters are not all Linear layers' (the rule then takes the K gradients)."""
+        the step's gradient — each task's own parameters corrected to their coefficient βᵢ; None where the vectorised
+        backward cannot run over the shared parameters (the rule then takes the K gradients)."""
         layers = self._layers
         assert layers is not None
         reach = reached(weighted, params)
         if shared is None:
             shared = [p for p in params if sum(id(p) in r for r in reach) > 1]
-        if not layers.covers(shared):
-            layers.clear()
-            return None
         stacked = torch.stack(weighted)
-        rule = self.gramian_rule(layers.gramian(stacked, shared), losses)
+        gramian = layers.gramian(stacked, shared)
+        if gramian is None:
+            return None
+        rule = self.gramian_rule(gramian, losses)
         alpha, beta = rule.shared.to(stacked.dtype).detach(), rule.own.to(stacked.dtype).detach()
         total = (alpha * stacked).sum()
         chosen = {id(p) for p in shared}

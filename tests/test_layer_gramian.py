@@ -1,0 +1,159 @@
+"""The tasks' Gramian segment by segment (``gramian: layers``) on the trunks users bring: convolutions with BatchNorm
+and in-place ReLU, residual blocks, an LSTM with a bare parameter, the shipped MLP with BatchNorm — the same steps as
+the rule on the K task gradients (``gramian: gradients``), while no segment holds the K gradients of more than one layer
+(or one residual block); and an operation the vectorised backward cannot run falls back to the K gradients, saying
+where and what to do."""
+
+from __future__ import annotations
+
+import warnings
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multiloss.testing import balancer_backward
+
+pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
+
+TASKS, BASE, STEPS = ["a", "b", "c"], [1.0, 2.0, 0.5], 5
+
+
+class Residual(nn.Module):
+    """A ResNet basic block: the skip makes its inner outputs no boundary; the block's output is one."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class Recurrent(nn.Module):
+    """An LSTM (a tuple output: no boundary of its own) and a bare parameter of the enclosing module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.scale = nn.LSTM(3, 16, batch_first=True), nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x.reshape(len(x), -1, 3))[0][:, -1] * self.scale
+
+
+class _NumpyDouble(torch.autograd.Function):
+    """×2, its backward through numpy: no batching rule (what an op the vectorised backward cannot run looks like)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(grad.detach().numpy() * 2)
+
+
+def _trunk(kind: str) -> nn.Module:
+    if kind == "conv":
+        return nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(inplace=True),
+            nn.Conv2d(6, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Flatten(), nn.Linear(8 * 3 * 3, 16), nn.ReLU(),
+        )  # fmt: skip
+    if kind == "residual":
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Residual(4), Residual(4), nn.Flatten(), nn.Linear(256, 16))
+    if kind == "recurrent":
+        return Recurrent()
+    from multiloss.nets import MultiTaskMLP  # the shipped net with its documented model.net.batch_norm=true
+
+    return MultiTaskMLP({"unused": 1}, in_features=192, width=16, depth=2, batch_norm=True).trunk
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str, numpy_op: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.numpy_op = _trunk(kind), numpy_op
+        self.heads = nn.ModuleList([nn.Linear(16, 1) for _ in TASKS])
+
+    def losses(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.trunk(x)
+        h = _NumpyDouble.apply(h) if self.numpy_op else h
+        return {
+            t: F.mse_loss(head(h).squeeze(-1), y[:, i]) * (i + 1) for i, (t, head) in enumerate(zip(TASKS, self.heads))
+        }
+
+
+def _data(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 3, 8, 8, generator=g, dtype=torch.float64)
+    if kind in ("recurrent", "mlp_batch_norm"):
+        x = x.reshape(12, -1)
+    y = torch.stack([x.flatten(1)[:, 0], -x.flatten(1)[:, 1], x.flatten(1)[:, 2] * 3], dim=1)
+    return x, y
+
+
+def _spec(name: str, gramian: str) -> dict:
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["recipe=weighted", f"balancer={name}", f"model.balancer.gramian={gramian}"], Path("unused"))
+    return OmegaConf.to_container(cfg.model.balancer, resolve=True)
+
+
+def _run(kind: str, name: str, gramian: str, numpy_op: bool = False) -> tuple[Net, nn.Module]:
+    from multiloss.balancers.build import build_balancer
+
+    net = Net(kind, numpy_op).double()
+    balancer = build_balancer(_spec(name, gramian), TASKS, BASE, net, "model.balancer").double()
+    optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=0.002)
+    x, y = _data(kind)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        balancer_backward(balancer, net.losses(x, y), net)
+        optimizer.step()
+    return net, balancer
+
+
+def _largest_difference(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+KINDS = ["conv", "residual", "recurrent", "mlp_batch_norm"]
+# One layer's K gradients at a time on a Sequential trunk (its Linear layers none: their rows give their Gramian),
+# one residual block's, the LSTM's with the scale beside it.
+LARGEST_SEGMENT = {
+    "conv": 6 * 8 * 9 + 8,
+    "residual": 2 * (4 * 4 * 9 + 4) + 2 * 8,
+    "recurrent": 4 * 16 * (3 + 16 + 2) + 16,
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["pcgrad", "upgrad", "gradnorm", "cagrad"])
+def test_the_gramian_segment_by_segment_on_conv_residual_and_recurrent_trunks_is_the_k_gradients_rule(kind, name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback said: the segments served every step
+        segments, balancer = _run(kind, name, "layers")
+    gradients, _ = _run(kind, name, "gradients")
+    assert balancer._layers.steps == STEPS
+    assert _largest_difference(segments, Net(kind).double()) > 1e-3  # it trained
+    assert _largest_difference(segments, gradients) <= 1e-9, (kind, name)
+    trunk = sum(p.numel() for p in segments.trunk.parameters())
+    largest = LARGEST_SEGMENT.get(kind, 2 * 16)  # the MLP: its BatchNorm1d layers' weight and bias
+    assert balancer._layers.largest_segment == largest <= trunk
+    assert largest < trunk or kind == "recurrent"  # an LSTM is one segment: nothing inside it is a boundary
+
+
+def test_an_operation_without_a_batching_rule_takes_the_k_gradients_and_says_where():
+    with pytest.warns(UserWarning, match=r"from the losses to the output of trunk\.8.*no batching rule") as said:
+        fallback, balancer = _run("conv", "upgrad", "layers", numpy_op=True)
+    assert len([w for w in said if "segment by segment" in str(w.message)]) == 1  # once, not every step
+    assert balancer._layers.steps == 0
+    gradients, _ = _run("conv", "upgrad", "gradients", numpy_op=True)
+    assert _largest_difference(fallback, gradients) <= 1e-12
