@@ -138,7 +138,7 @@ class JacobianDescent(GradientBalancer):
         )
         if isinstance(aggregator, functools.partial):  # ``_partial_: true``: one that is told the number of tasks
             aggregator = aggregator(n_tasks=len(tasks))
-        # Only an aggregator torchjd defines by a weighting of the Gramian can take it layer by layer.
+        # Only an aggregator torchjd defines by a weighting of the Gramian can take it segment by segment.
         by_gramian = getattr(aggregator, "gramian_weighting", None) is not None
         super().__init__(tasks, base, shared, net, scope, gramian if by_gramian else "gradients")
         # Not a submodule: its state (a stateful one's) is this balancer's extra state, kept per rank; as a

@@ -45,6 +45,62 @@ class _Cut:
     calls: list[tuple[nn.Module, torch.Tensor | None, torch.Size]] = field(default_factory=list)  # module, X, shape
 
 
+@dataclass
+class _Segment:
+    """The part of the graph from ``top`` (a cut, None: the losses) down to ``bottom`` (None: the graph's end)."""
+
+    top: int | None
+    bottom: int | None
+    parameters: list[nn.Parameter]  # the shared ones it reaches
+    by_rows: list[tuple[nn.Module, torch.Tensor, torch.Size]]  # a Linear whose Gramian its rows give
+    wanted: list[nn.Parameter]  # the rest: their K gradients taken
+
+
+def _cheapest_switch(plan: list[_Segment], cuts: list[_Cut], k: int) -> tuple[int, int]:
+    """Where to stop carrying the K gradients of the boundaries and take the rest task by task, holding the least:
+    (the first segment taken task by task — ``len(plan)``: none —, the numbers held at the peak).
+
+    Carried through a segment: K × (its top's and bottom's outputs + its parameters); task by task from a segment
+    down: K × (its top's output + every parameter below). Activations larger than parameters (a convolution on a
+    large image) make the K gradients of the parameters the smaller; wide Linear layers, the carried ones.
+    """
+
+    def size(i: int | None) -> int:
+        return 1 if i is None else max(shape.numel() for _, _, shape in cuts[i].calls)
+
+    carried = [
+        k * (size(s.top) + (size(s.bottom) if s.bottom is not None else 0) + sum(p.numel() for p in s.wanted))
+        for s in plan
+    ]
+    below = [sum(p.numel() for s in plan[i:] for p in s.parameters) for i in range(len(plan))]
+    options = [
+        (max([*carried[:switch], k * (size(plan[switch].top) + below[switch]) if switch < len(plan) else 0]), switch)
+        for switch in range(len(plan) + 1)
+    ]
+    held, switch = min(options, key=lambda option: (option[0], -option[1]))  # a tie: carry (one vectorised pass)
+    return switch, held
+
+
+def _task_by_task(
+    output: torch.Tensor | GradientEdge, delta: torch.Tensor, params: list[nn.Parameter], dtype: torch.dtype
+) -> torch.Tensor:
+    """The Gramian of the K gradients of ``params`` from ``output`` seeded with each row of ``delta`` in turn, each
+    task's written into its row of one K × n matrix (the one copy held) and dropped."""
+    k = len(delta)
+    n = sum(p.numel() for p in params)
+    rows = delta.new_zeros(k, n, dtype=params[0].dtype if params else delta.dtype)
+    for task in range(k):
+        grads = torch.autograd.grad(output, params, grad_outputs=delta[task], retain_graph=True, allow_unused=True)
+        offset = 0
+        for p, g in zip(params, grads):
+            if g is not None:
+                rows[task, offset : offset + p.numel()] = g.reshape(-1)
+            offset += p.numel()
+        del grads
+    rows = rows.to(dtype)
+    return rows @ rows.T
+
+
 class LayerGramian:
     """Records where the outputs of ``net``'s modules sit in each forward with gradients on, and computes the tasks'
     Gramian on the shared parameters from the graph, segment by segment (`gramian`)."""
@@ -54,7 +110,9 @@ class LayerGramian:
         self.cuts: dict[int, _Cut] = {}  # by the graph node of a module's output, in the order of the forward
         self._said = False
         self.steps = 0  # the steps whose Gramian came from the segments (what a test or a benchmark reads)
-        self.largest_segment = 0  # the most shared parameters one segment held K gradients of (a benchmark reads it)
+        self.held = 0  # the most task-gradient numbers held at once, as last planned (what a test or benchmark reads)
+        self.switched = 0  # the steps whose lower part was taken task by task (its activations outweighing it)
+        self.by_gradients = 0  # the steps left to the K gradients: all of it task by task, nothing carried
         self._names = {id(p): name for name, p in net.named_parameters()}
         self._module_names = {id(m): name or "model.net" for name, m in net.named_modules()}
         self.handles = [layer.register_forward_hook(self._record) for layer in self.layers]
@@ -84,59 +142,79 @@ class LayerGramian:
         # copy's recorder records nothing (its modules are not these), and nothing of a step's graph is copied.
         inert = LayerGramian.__new__(LayerGramian)
         inert.layers, inert.cuts, inert._said, inert.steps, inert.handles = [], {}, True, 0, []
-        inert.largest_segment, inert._names, inert._module_names = 0, {}, {}
+        inert.held, inert.switched, inert.by_gradients, inert._names, inert._module_names = 0, 0, 0, {}, {}
         return inert
 
     def gramian(self, losses: torch.Tensor, shared: Sequence[nn.Parameter]) -> torch.Tensor | None:
         """The K × K Gramian of the gradients of ``losses`` (a vector, graph on, kept) on ``shared``, in float32 or
-        wider; None (said once) where the vectorised backward cannot run (the rule then takes the K gradients)."""
+        wider. None where the rule should take the K gradients instead: where they are what the cheapest way holds
+        anyway (nothing to carry: the shared parameters' K gradients outweigh no boundary's), or (said once) where the
+        vectorised backward cannot run."""
         chosen = {id(p) for p in shared}
         cuts = [c for c in self.cuts.values() if c.edge.output_nr >= 0]
         self.clear()
         graph = _CutGraph(losses, cuts)
         calls = Counter(id(module) for cut in cuts for module, _, _ in cut.calls)
-        dtype = torch.promote_types(losses.dtype, torch.float32)
         k = len(losses)
-        gramian = torch.zeros(k, k, dtype=dtype, device=losses.device)
         boundaries = graph.boundaries()
-        tops: list[int | None] = [None, *boundaries]  # None: the losses
+        plan = []
+        for top, bottom in zip([None, *boundaries], [*boundaries, None]):
+            segment = [p for p in graph.segment_parameters(top, bottom) if id(p) in chosen]
+            by_rows = _rows_layers(cuts[top], chosen, graph.only_from(top, bottom), calls) if top is not None else []
+            rows = {id(p) for module, _, _ in by_rows for p in _own(module)}
+            plan.append(_Segment(top, bottom, segment, by_rows, [p for p in segment if id(p) not in rows]))
+        switch, self.held = _cheapest_switch(plan, cuts, k)
+        if not any(segment.parameters for segment in plan[:switch]):
+            # Nothing carried: the K gradients hold as much and save the rule's backward (a conv trunk on images).
+            self.by_gradients += 1
+            return None
+        dtype = torch.promote_types(losses.dtype, torch.float32)
+        gramian = torch.zeros(k, k, dtype=dtype, device=losses.device)
         delta: torch.Tensor | None = torch.eye(k, dtype=losses.dtype, device=losses.device)
-        for top, bottom in zip(tops, [*boundaries, None]):
+        for segment in plan[:switch]:
+            try:
+                delta = self._carry(segment, losses, cuts, delta, gramian, chosen)
+            except RuntimeError as error:
+                self._say(cuts, segment.top, segment.bottom, segment.parameters, error)
+                return None
             if delta is None:  # nothing of the losses reaches below here
                 break
-            segment = graph.segment_parameters(top, bottom)
-            by_rows = _rows_layers(cuts[top], chosen, graph.only_from(top, bottom), calls) if top is not None else []
-            by_rows_ids = {id(p) for module, _, _ in by_rows for p in _own(module)}
-            wanted = [p for p in segment if id(p) in chosen and id(p) not in by_rows_ids]
-            self.largest_segment = max(self.largest_segment, sum(p.numel() for p in wanted))
-            inputs = ([cuts[bottom].edge] if bottom is not None else []) + wanted
-            outputs = losses if top is None else cuts[top].edge
-            try:
-                grads = (
-                    torch.autograd.grad(
-                        outputs,
-                        inputs,
-                        grad_outputs=delta,
-                        is_grads_batched=True,
-                        retain_graph=True,
-                        allow_unused=True,
-                    )
-                    if inputs
-                    else ()
-                )
-            except RuntimeError as error:
-                self._say(cuts, top, bottom, [p for p in segment if id(p) in chosen], error)
-                return None
-            for module, x, shape in by_rows:
-                gramian += _rows_gramian(module, x, delta.reshape(k, *shape), chosen, dtype)
-            for g in grads[len(inputs) - len(wanted) :]:
-                if g is not None:
-                    flat = g.reshape(k, -1).to(dtype)
-                    gramian += flat @ flat.T
-            delta = grads[0] if bottom is not None else None
-            del grads
+        if switch < len(plan) and delta is not None:
+            below = [p for segment in plan[switch:] for p in segment.parameters]
+            top = plan[switch].top
+            gramian += _task_by_task(losses if top is None else cuts[top].edge, delta, below, dtype)
+            self.switched += 1
         self.steps += 1
         return gramian
+
+    def _carry(
+        self,
+        segment: _Segment,
+        losses: torch.Tensor,
+        cuts: list[_Cut],
+        delta: torch.Tensor,
+        gramian: torch.Tensor,
+        chosen: set[int],
+    ) -> torch.Tensor | None:
+        """One segment, vectorised over the tasks: its parameters' K gradients (or a Linear's rows) added to
+        ``gramian``, and the K gradients of its bottom boundary returned (None at the graph's end)."""
+        k = len(delta)
+        inputs = ([cuts[segment.bottom].edge] if segment.bottom is not None else []) + segment.wanted
+        outputs = losses if segment.top is None else cuts[segment.top].edge
+        grads = (
+            torch.autograd.grad(
+                outputs, inputs, grad_outputs=delta, is_grads_batched=True, retain_graph=True, allow_unused=True
+            )
+            if inputs
+            else ()
+        )
+        for module, x, shape in segment.by_rows:
+            gramian += _rows_gramian(module, x, delta.reshape(k, *shape), chosen, gramian.dtype)
+        for g in grads[len(inputs) - len(segment.wanted) :]:
+            if g is not None:
+                flat = g.reshape(k, -1).to(gramian.dtype)
+                gramian += flat @ flat.T
+        return grads[0] if segment.bottom is not None else None
 
     def _say(
         self, cuts: list[_Cut], top: int | None, bottom: int | None, params: list[nn.Parameter], error: Exception

@@ -255,7 +255,7 @@ class GradientBalancer(Balancer):
         self.shared = None if shared is None else list(shared)
         self._shared_built = None if shared is None else select_parameters(net, shared)
         self._mean_over_ranks: Reduce | None = None
-        # The Gramian layer by layer (`layer_gramian`): for a rule that needs only the Gramian, each rank's own.
+        # The Gramian segment by segment (`layer_gramian`): for a rule that needs only the Gramian, each rank's own.
         uses_layers = gramian == "layers" and net is not None and scope == "rank" and self.rule_is_gramian()
         self._layers = LayerGramian(net) if uses_layers else None
 
@@ -315,7 +315,7 @@ class GradientBalancer(Balancer):
         params: list[nn.Parameter],
         shared: Sequence[nn.Parameter] | None,
     ) -> torch.Tensor | None:
-        """The rule from the Gramian layer by layer (`layer_gramian`), as the loss Σᵢ αᵢ·cᵢLᵢ whose one backward is
+        """The rule from the Gramian segment by segment (`layer_gramian`), as the loss Σᵢ αᵢ·cᵢLᵢ whose one backward is
         the step's gradient — each task's own parameters corrected to their coefficient βᵢ; None where the vectorised
         backward cannot run over the shared parameters (the rule then takes the K gradients)."""
         layers = self._layers
