@@ -100,6 +100,39 @@ class _NashMTL:
         )
 
 
+class _ExcessMTL:
+    """LibMTL/weighting/ExcessMTL.py lines 14-52 (init_param, backward: the official yifei-he/ExcessMTL's rule)."""
+
+    def __init__(self, robust_step_size: float = 1e-2) -> None:
+        self.robust_step_size, self.task_num = robust_step_size, K
+        self.loss_weight = torch.tensor([1.0] * self.task_num, dtype=torch.float64, requires_grad=False)
+        self.grad_sum = None
+        self.first_epoch = True
+
+    def weights(self, grads: torch.Tensor) -> torch.Tensor:
+        if self.grad_sum is None:
+            self.grad_sum = torch.zeros_like(grads)
+        w = torch.zeros(self.task_num, dtype=torch.float64)
+        for i in range(self.task_num):
+            self.grad_sum[i] += grads[i] ** 2
+            grad_i = grads[i]
+            h_i = torch.sqrt(self.grad_sum[i] + 1e-7)
+            w[i] = grad_i * (1 / h_i) @ grad_i.t()
+        if self.first_epoch:
+            self.initial_w = w
+            self.first_epoch = False
+        else:
+            w = w / self.initial_w
+            self.loss_weight = self.loss_weight * torch.exp(w * self.robust_step_size)
+            self.loss_weight = self.loss_weight / self.loss_weight.sum() * self.task_num
+            self.loss_weight = self.loss_weight.detach().clone()
+        return self.loss_weight
+
+    def backward(self, losses: torch.Tensor, grads: torch.Tensor) -> None:
+        loss = torch.mul(losses, self.weights(grads)).sum()
+        loss.backward()
+
+
 def _libmtl_run(method: str) -> Net:
     """LibMTL's Trainer around one method: zero_grad, the weighted losses (cᵢLᵢ), ``weighting.backward``, SGD step."""
     from scipy.optimize import least_squares, minimize
@@ -110,6 +143,7 @@ def _libmtl_run(method: str) -> Net:
     base = torch.tensor(BASE, dtype=torch.float64)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     nash = _NashMTL()
+    excess = _ExcessMTL()
     for t in range(STEPS):
         torch.manual_seed(100 + t)
         optimizer.zero_grad()
@@ -155,6 +189,9 @@ def _libmtl_run(method: str) -> Net:
                 lambda w, A=A: np.dot(A, w) - np.power(1 / w, 1 / 1.0), np.ones(K) / K, bounds=(0, np.inf)
             )
             torch.sum(torch.Tensor(res.x).double() * losses).backward()
+        elif method == "excess_mtl":  # ExcessMTL.py 19-52 (robust_step_size 1e-2: config.py 69)
+            grads = _autograd_grads(lib, list(losses))
+            excess.backward(losses, grads)
         else:  # nash_mtl: Nash_MTL.py 102-133, update_weights_every 1, optim_niter 20, max_norm 1
             if nash.step == 0:
                 nash._init_optim_problem()
@@ -179,12 +216,13 @@ def _ours_libmtl(method: str, gramian: str = "layers") -> Net:
         "cagrad": lambda: aggregation.CAGrad(c=0.5),
         "fairgrad": lambda: aggregation.FairGrad(alpha=1.0),
         "nash_mtl": lambda: aggregation.NashMTL(n_tasks=K, max_norm=1.0, update_weights_every=1, optim_niter=20),
+        "excess_mtl": lambda: __import__("multiloss.balancers.excess_mtl").balancers.excess_mtl.ExcessMTL(),
     }[method]
     return _ours(lambda net: JacobianDescent(TASKS, BASE, make(), net=net, gramian=gramian, convention="libmtl"))
 
 
 @pytest.mark.parametrize("gramian", ["layers", "gradients"])  # the Gramian layer by layer, or the K gradients
-@pytest.mark.parametrize("method", ["aligned_mtl", "cagrad", "fairgrad", "nash_mtl"])
+@pytest.mark.parametrize("method", ["aligned_mtl", "cagrad", "fairgrad", "nash_mtl", "excess_mtl"])
 def test_convention_libmtl_is_libmtls_code(method, gramian):
     ours, reference = _ours_libmtl(method, gramian), _libmtl_run(method)
     worst = _largest_difference(ours, reference)
@@ -200,3 +238,25 @@ def test_the_torchjd_convention_is_not_libmtls_where_the_two_differ():
 
     torchjd_run = _ours(lambda net: JacobianDescent(TASKS, BASE, aggregation.AlignedMTL(), net=net))
     assert _largest_difference(torchjd_run, _libmtl_run("aligned_mtl")) > 1e-3
+
+
+def test_excess_mtls_default_weights_are_the_official_codes_over_k():
+    """``balancer=excess_mtl``'s weighting as shipped (its yaml: robust_step_size 1e-2, the official first step) gives
+    the official code's weights divided by K (torchjd's simplex) at every call — uniform at the first, where torchjd's
+    own updates from the raw excess (kept by ``update_first_step=true``)."""
+    import torchjd.aggregation
+    from hydra.utils import instantiate
+
+    from tests.test_balancer_parity import _spec
+
+    ours = instantiate(_spec("excess_mtl")["aggregator"]).weighting
+    official, torchjd_first = _ExcessMTL(), torchjd.aggregation.ExcessMTL(robust_step_size=1e-2).weighting
+    g = torch.Generator().manual_seed(0)
+    for call in range(6):
+        grads = torch.randn(K, 40, generator=g, dtype=torch.float64) * torch.tensor([[1.0], [3.0], [0.2]])
+        mine, theirs = ours(grads), official.weights(grads) / K
+        assert (mine - theirs).abs().max() <= 1e-12, call
+        if call == 0:
+            assert torch.equal(mine, torch.full((K,), 1 / K, dtype=torch.float64))
+            assert (torchjd_first(grads) - mine).abs().max() > 1e-3  # torchjd's first call moves them
+    assert (mine - 1 / K).abs().max() > 1e-4  # and they did move after the first call

@@ -179,14 +179,14 @@ class JacobianDescent(GradientBalancer):
         vector = self.shared_factor * (weights @ grads.vectors)
         if clip and (coefficient := clip / (float(vector.norm()) + 1e-6)) < 1:
             vector = vector * coefficient
-        if self.heads_weighted:
-            own = [(p, g * weights[task].to(g.dtype), task) for p, g, task in grads.own]
+        if self.heads_weighted:  # as the shared update: the method's weight times LibMTL's factor on it
+            own = [(p, g * (self.shared_factor * weights[task]).to(g.dtype), task) for p, g, task in grads.own]
             grads = TaskGradients(grads.shared, grads.vectors, own)
         return gradient_surrogate(grads, vector)
 
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
         coefficients = _gramian_weighting(self.aggregator)(gramian)
-        own = coefficients if self.heads_weighted else torch.ones_like(coefficients)
+        own = self.shared_factor * coefficients if self.heads_weighted else torch.ones_like(coefficients)
         return GramianRule(self.shared_factor * coefficients, own)
 
     @staticmethod
@@ -207,8 +207,9 @@ def libmtl_form(aggregator: Any, k: int) -> tuple[float, bool]:
     CAGrad: ``rescale=1`` (LibMTL's default) divides the update by 1 + c² (``CAGrad.py`` 55-60). Aligned-MTL: α =
     B.sum(0) where torchjd's is B·(1/K)·1: LibMTL's is K times torchjd's (``Aligned_MTL.py`` 38). Nash-MTL, FairGrad:
     ``torch.sum(w * losses).backward()`` (``Nash_MTL.py`` 127, ``FairGrad.py`` 40), so each head gets wᵢ times its
-    task's gradient. Every other aggregator: the same update, each head its own task's gradient (LibMTL's
-    per-task ``backward`` before ``_reset_grad``).
+    task's gradient. ExcessMTL: weights summing to K where torchjd's sum to 1, and Σ wᵢLᵢ backwarded (``ExcessMTL.py``
+    47-52): K times the update, each head weighted by K·wᵢ. Every other aggregator: the same update, each head its own
+    task's gradient (LibMTL's per-task ``backward`` before ``_reset_grad``).
     """
     name = type(aggregator).__name__
     if name == "CAGrad":
@@ -216,6 +217,8 @@ def libmtl_form(aggregator: Any, k: int) -> tuple[float, bool]:
         return 1.0 / (1.0 + float(c) ** 2), False
     if name == "AlignedMTL":
         return float(k), False
+    if name == "ExcessMTL":  # weights summing to K (ExcessMTL.py 47), Σ wᵢLᵢ backwarded (51-52): heads weighted too
+        return float(k), True
     return 1.0, name in ("NashMTL", "FairGrad")
 
 
