@@ -32,6 +32,42 @@ def test_an_inner_components_value_is_named_by_its_own_key(tmp_path, overrides, 
     assert ("accepts" in err.value.accepted and "must" in err.value.accepted) or "positive" in err.value.accepted
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        (("balancer=stch", "model.balancer.convention=paper"), "model.balancer.convention", "paper"),
+        (("balancer=excess_mtl", "model.balancer.convention=lib"), "model.balancer.convention", "lib"),
+        (
+            ("balancer=stch", "model.balancer.convention=libmtl", "model.balancer.warmup_epochs=-1"),
+            "model.balancer.warmup_epochs",
+            -1,
+        ),
+        (
+            ("balancer=stch", "model.balancer.convention=libmtl", "model.balancer.scalarizer.mu=0"),
+            "model.balancer.scalarizer.mu",
+            0,
+        ),
+        (
+            ("balancer=excess_mtl", "model.balancer.aggregator.robust_step_size=0"),
+            "model.balancer.aggregator.robust_step_size",
+            0,
+        ),
+    ],
+)
+def test_a_convention_and_its_options_are_checked_by_key(tmp_path, overrides, key, value):
+    cfg = testing.compose("recipe=weighted", *overrides, output_dir=tmp_path)
+    with pytest.raises(ConfigError) as err:
+        testing.build(cfg)
+    assert (err.value.key, err.value.value) == (key, value)
+
+
+@pytest.mark.parametrize("name", ["stch", "excess_mtl", "cagrad", "aligned_mtl", "nash_mtl", "fairgrad"])
+def test_every_convention_libmtl_setting_builds_from_the_shell(tmp_path, name):
+    testing.build(
+        testing.compose("recipe=weighted", f"balancer={name}", "model.balancer.convention=libmtl", output_dir=tmp_path)
+    )
+
+
 def _trained(tmp_path: Path, *overrides: str) -> Path:
     out = tmp_path / "run"
     train(testing.compose(*SHORT, *overrides, output_dir=out))

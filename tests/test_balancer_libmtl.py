@@ -260,3 +260,104 @@ def test_excess_mtls_default_weights_are_the_official_codes_over_k():
             assert torch.equal(mine, torch.full((K,), 1 / K, dtype=torch.float64))
             assert (torchjd_first(grads) - mine).abs().max() > 1e-3  # torchjd's first call moves them
     assert (mine - 1 / K).abs().max() > 1e-4  # and they did move after the first call
+
+
+# --- STCH: LibMTL's warm-up, nadir and scalarization (epochs: 1 warm-up, the nadir's, 2 after; 5 steps each) --------
+
+EPOCHS, PER_EPOCH = 4, 5
+
+
+class _STCH:
+    """LibMTL/weighting/STCH.py lines 18-55 (init_param, backward), STCH_mu 1.0, STCH_warmup_epoch 1; ``epoch`` set by
+    the Trainer (trainer.py: ``self.model.epoch = epoch``)."""
+
+    def __init__(self, mu: float = 1.0, warmup_epoch: int = 1) -> None:
+        self.mu, self.warmup_epoch, self.task_num, self.epoch = mu, warmup_epoch, K, 0
+        self.step = 0
+        self.nadir_vector = None
+        self.average_loss = 0.0
+        self.average_loss_count = 0
+
+    def backward(self, losses: torch.Tensor) -> None:
+        self.step += 1
+        mu, warmup_epoch = self.mu, self.warmup_epoch
+        if self.epoch < warmup_epoch:
+            loss = torch.mul(torch.log(losses + 1e-20), torch.ones_like(losses)).sum()
+            loss.backward()
+        elif self.epoch == warmup_epoch:
+            loss = torch.mul(torch.log(losses + 1e-20), torch.ones_like(losses)).sum()
+            self.average_loss += losses.detach()
+            self.average_loss_count += 1
+            loss.backward()
+        else:
+            if self.nadir_vector is None:
+                self.nadir_vector = self.average_loss / self.average_loss_count
+            losses = torch.log(losses / self.nadir_vector + 1e-20)
+            max_term = torch.max(losses.data).detach()
+            reg_losses = losses - max_term
+            loss = mu * torch.log(torch.sum(torch.exp(reg_losses / mu))) * self.task_num
+            loss.backward()
+
+
+def _stch_libmtl() -> Net:
+    net, (x, y) = Net().double(), _data()
+    optimizer, stch = torch.optim.SGD(net.parameters(), lr=LR), _STCH()
+    base = torch.tensor(BASE, dtype=torch.float64)
+    for epoch in range(EPOCHS):
+        stch.epoch = epoch
+        for _ in range(PER_EPOCH):
+            optimizer.zero_grad()
+            stch.backward(torch.stack(_losses(net, x, y)[1]) * base)
+            optimizer.step()
+    return net
+
+
+def _stch_ours(epochs: range, net: Net | None = None, balancer=None):
+    import functools
+
+    import torchjd.scalarization
+
+    from multiloss.balancers import Scalarized
+    from multiloss.testing import balancer_backward
+
+    net = net or Net().double()
+    if balancer is None:
+        stch = functools.partial(torchjd.scalarization.STCH, mu=1.0)
+        balancer = Scalarized(TASKS, BASE, stch, convention="libmtl", warmup_epochs=1).double()
+    x, y = _data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for epoch in epochs:
+        for _ in range(PER_EPOCH):
+            optimizer.zero_grad()
+            balancer_backward(balancer, dict(zip(TASKS, _losses(net, x, y)[1])), net, epoch=epoch)
+            optimizer.step()
+    return net, balancer
+
+
+def test_stch_convention_libmtl_is_libmtls_code_through_its_warm_up_and_nadir():
+    ours, _ = _stch_ours(range(EPOCHS))
+    reference = _stch_libmtl()
+    worst = _largest_difference(ours, reference)
+    print(f"stch: largest weight difference to LibMTL {worst:.2g}")
+    assert _changed(ours) and worst <= 1e-6
+    from multiloss.balancers import Scalarized
+    from tests.test_balancer_parity import SCALARIZERS
+
+    torchjd_default, _ = _stch_ours(range(EPOCHS), balancer=Scalarized(TASKS, BASE, SCALARIZERS["stch"]()).double())
+    assert _largest_difference(torchjd_default, reference) > 1e-3  # the default is torchjd's: another update
+
+
+def test_stch_libmtls_nadir_resumes_from_the_checkpointed_state():
+    """Two epochs (the warm-up and the nadir's), the net's and balancer's state saved and loaded into new ones, two
+    more: the straight run's weights to the bit."""
+    import copy
+
+    straight, _ = _stch_ours(range(EPOCHS))
+    first, balancer = _stch_ours(range(2))
+    saved = copy.deepcopy({"net": first.state_dict(), "balancer": balancer.state_dict()})
+    assert float(saved["balancer"]["scalarizer.loss_count"]) == PER_EPOCH
+    net, again = Net().double(), copy.deepcopy(balancer)
+    again.scalarizer.loss_sum.zero_(), again.scalarizer.loss_count.zero_()
+    net.load_state_dict(saved["net"]), again.load_state_dict(saved["balancer"])
+    resumed, _ = _stch_ours(range(2, EPOCHS), net, again)
+    assert _largest_difference(resumed, straight) == 0.0

@@ -499,16 +499,25 @@ def balancer_backward(
     parallelism: Any = None,
     mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same,
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same,
+    epoch: int = 0,
 ) -> None:
     """One step's balancer protocol as the multi-task recipes run it, without a Trainer: `multiloss.balancers.balance`
-    (``parallelism``: one device unless given; the reductions: identities on one device), then its backward. The
-    caller steps the optimizer and, for an ``after_step_update`` balancer, hands it the recomputed losses."""
+    (``parallelism``: one device unless given; the reductions: identities on one device; ``epoch``: the step's), then
+    its backward. The caller steps the optimizer and, for an ``after_step_update`` balancer, hands it the recomputed
+    losses."""
     from types import SimpleNamespace
 
     from multiloss.balancers import balance
 
     one_device = SimpleNamespace(sharded=False, held={})
     balanced = balance(
-        balancer, losses, net, parallelism or one_device, 0, mean_over_ranks, sum_over_ranks, torch.autograd.backward
+        balancer,
+        losses,
+        net,
+        parallelism or one_device,
+        epoch,
+        mean_over_ranks,
+        sum_over_ranks,
+        torch.autograd.backward,
     )
     balanced.backward(_PlainStep())

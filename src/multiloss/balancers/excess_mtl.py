@@ -18,16 +18,12 @@ from torch import Tensor
 from torchjd.aggregation import ExcessMTLWeighting as TorchjdExcessMTLWeighting
 from torchjd.aggregation._aggregator_bases import WeightedAggregator
 
-from multiloss.config import require
-
 
 class ExcessMTLWeighting(TorchjdExcessMTLWeighting):
     """torchjd's ExcessMTL weighting, its first call as the official code's: the baseline set, the weights kept."""
 
     def __init__(self, robust_step_size: float = 1e-2, n_warmup_steps: int = 0, update_first_step: bool = False):
-        require(robust_step_size > 0, "robust_step_size", robust_step_size, "a positive step (the official 1e-2)")
-        require(n_warmup_steps >= 0, "n_warmup_steps", n_warmup_steps, "a number of steps ≥ 0")
-        super().__init__(robust_step_size, n_warmup_steps)
+        super().__init__(robust_step_size, n_warmup_steps)  # torchjd's checks: named by their key by the builder
         self.update_first_step = bool(update_first_step)
 
     def forward(self, matrix: Tensor, /) -> Tensor:

@@ -36,8 +36,25 @@ class Scalarized(Balancer):
     the ranks (the global batch's), so every rank keeps the same logits.
     """
 
-    def __init__(self, tasks: Sequence[str], base: Sequence[float], scalarizer: Any) -> None:
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        base: Sequence[float],
+        scalarizer: Any,
+        convention: str = "torchjd",
+        warmup_epochs: int = 4,
+    ) -> None:
         super().__init__(tasks, base)
+        require(
+            convention in ("torchjd", "libmtl"),
+            "convention",
+            convention,
+            "torchjd (torchjd's scalarizer) or libmtl (LibMTL's form: STCH's warm-up and nadir; the others alike)",
+        )
+        if convention == "libmtl" and _is_torchjd_stch(scalarizer):
+            mu = scalarizer.keywords.get("mu", 1.0)
+            require(isinstance(mu, int | float) and mu > 0, "scalarizer.mu", mu, "a positive smoothing (LibMTL's 1.0)")
+            scalarizer = functools.partial(LibMTLSTCH, mu=float(mu), warmup_epochs=warmup_epochs)
         if isinstance(scalarizer, functools.partial):  # ``_partial_: true``: told the number of tasks
             # A vector from the config (STCH's weights and reference, FAMO's min_losses) as the tensor torchjd takes.
             lists = {k: torch.tensor([float(x) for x in v]) for k, v in scalarizer.keywords.items() if _is_list(v)}
@@ -64,6 +81,8 @@ class Scalarized(Balancer):
 
     def start_epoch(self, epoch: int, reduce: Reduce) -> None:
         self._mean_over_ranks = reduce
+        if isinstance(self.scalarizer, LibMTLSTCH):
+            self.scalarizer.epoch = epoch
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         if self.after_step_update:
@@ -121,3 +140,48 @@ class LogSum(nn.Module):
 
     def forward(self, values: torch.Tensor) -> torch.Tensor:
         return torch.log(values + self.eps).sum()
+
+
+def _is_torchjd_stch(scalarizer: Any) -> bool:
+    func = scalarizer.func if isinstance(scalarizer, functools.partial) else type(scalarizer)
+    return getattr(func, "__name__", "") == "STCH" and getattr(func, "__module__", "").startswith("torchjd")
+
+
+class LibMTLSTCH(nn.Module):
+    """LibMTL's STCH (median-research-group/LibMTL at 4336804, ``LibMTL/weighting/STCH.py`` 25-55, after the official
+    Xi-L/STCH ``STCH_MTL``), a scalarizer for `Scalarized` (``balancer=stch model.balancer.convention=libmtl``).
+
+    For the first ``warmup_epochs`` epochs and the one after (LibMTL's ``epoch < warmup`` and ``== warmup``) Σᵢ
+    log(ℓᵢ + 1e-20) — DB-MTL's loss part; during that last warm-up epoch the losses are averaged into the nadir
+    point; from then on μ·K·log Σᵢ exp(log(ℓᵢ/nadirᵢ + 1e-20)/μ). torchjd's STCH is μ·log Σᵢ exp(λᵢ(ℓᵢ - zᵢ)/μ)
+    on the raw losses from the first step. The epoch comes from the balancer (`Scalarized.start_epoch`); the
+    nadir's sums are buffers, in the checkpoint (a resumed run goes on as the straight one).
+    """
+
+    def __init__(self, shape: int, mu: float = 1.0, warmup_epochs: int = 4) -> None:
+        super().__init__()
+        require(mu > 0, "mu", mu, "a positive smoothing (LibMTL's STCH_mu: 1.0)")
+        require(
+            isinstance(warmup_epochs, int) and warmup_epochs >= 0,
+            "warmup_epochs",
+            warmup_epochs,
+            "a whole number of epochs ≥ 0 (LibMTL's STCH_warmup_epoch: 4)",
+        )
+        self.mu, self.warmup_epochs, self.epoch = float(mu), warmup_epochs, 0
+        self.register_buffer("loss_sum", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("loss_count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        if self.epoch <= self.warmup_epochs:
+            if self.epoch == self.warmup_epochs:  # the nadir: this epoch's mean loss (STCH.py 36-40)
+                self.loss_sum += values.detach().to(self.loss_sum.dtype)
+                self.loss_count += 1
+            return torch.log(values + 1e-20).sum()
+        if float(self.loss_count) == 0:  # resumed past the warm-up without its sums: LibMTL would divide by 0 too
+            raise RuntimeError(
+                "model.balancer: STCH (convention=libmtl) is past its warm-up without a nadir point: "
+                "the warm-up's last epoch was not run in this run or its checkpoint"
+            )
+        nadir = (self.loss_sum / self.loss_count).to(values.dtype)
+        logs = torch.log(values / nadir + 1e-20)
+        return self.mu * torch.logsumexp(logs / self.mu, dim=0) * len(values)
