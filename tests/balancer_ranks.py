@@ -40,7 +40,7 @@ def _average(tensor: torch.Tensor) -> torch.Tensor:
     return tensor / dist.get_world_size()
 
 
-LAYER_STEPS: dict[str, int] = {}  # way -> the steps whose Gramian came layer by layer (the last method's run)
+LAYER_STEPS: dict[str, int] = {}  # way -> the steps the layer Gramian planned (the last method's run)
 
 
 def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
@@ -82,7 +82,8 @@ def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
             with torch.no_grad():
                 balancer.after_step(torch.stack(_losses(net, x, y)[1]))
     layers = getattr(balancer, "_layers", None)
-    LAYER_STEPS[way] = 0 if layers is None else layers.steps
+    # The steps the layer Gramian's plan served: segment by segment, or the K gradients where they hold no more.
+    LAYER_STEPS[way] = 0 if layers is None else layers.steps + layers.by_gradients
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in net.parameters()]
 
 

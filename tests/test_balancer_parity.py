@@ -341,6 +341,7 @@ GRAMIAN = [
 ]
 NEEDS_GRADIENTS = ["nash_mtl", "graddrop", "config", "excess_mtl", "db_mtl", "moco"]
 LOSS_BASED = ["uncertainty", "dwa", "gls", "rlw", "stch", "famo", "imtl_l", "db_mtl_loss"]
+REP_GRAD = [*GRAMIAN, "nash_mtl", "excess_mtl", "graddrop"]  # every rule on the representation
 
 
 def _spec(name: str, *overrides: str) -> dict:
@@ -372,6 +373,14 @@ def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
         methods[f"{name}@rank"] = {"spec": _spec(name), "ways": ["fsdp_rank_vs_ddp"]}
     for name in LOSS_BASED:
         methods[name] = {"spec": _spec(name), "ways": ["ddp", "fsdp_global"]}
+    # rep_grad, scope=global: the global batch's representation gradients (one all-reduce of K × d, or of the K × K
+    # Gramian for every sample's); under FSDP2 on the shards as they are (no parameter's gradient is taken).
+    for name in REP_GRAD:
+        spec = _spec(name, "model.balancer.rep_grad=batch", "model.balancer.scope=global")
+        methods[f"{name}@rep_grad"] = {"spec": spec, "ways": ["ddp", "fsdp_global"]}
+    for name in ("upgrad", "mgda", "pcgrad"):
+        spec = _spec(name, "model.balancer.rep_grad=samples", "model.balancer.scope=global")
+        methods[f"{name}@rep_grad_samples"] = {"spec": spec, "ways": ["ddp", "fsdp_global"]}
     (tmp_path / "methods.json").write_text(json.dumps(methods))
     out = tmp_path / "results.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -48,6 +48,10 @@ def _scope(spec: Any) -> str:
     return spec.get("scope", "rank") if isinstance(spec, dict) else getattr(spec, "scope", "rank")
 
 
+def _rep_grad(spec: Any) -> bool:
+    return (spec.get("rep_grad") if isinstance(spec, dict) else getattr(spec, "rep_grad", None)) is not None
+
+
 def _target(spec: Any) -> str | None:
     return spec.get("_target_") if isinstance(spec, dict) else None
 
@@ -55,13 +59,14 @@ def _target(spec: Any) -> str | None:
 def rule_on_each_rank(spec: dict[str, Any] | None) -> bool:
     """Whether a gradient rule differentiates each rank's whole net per task (``scope=rank``): under FSDP2 the net is
     then held whole for its step. ``scope=global`` runs the rule on the shards instead."""
-    return combines_gradients(spec) and _scope(spec) == "rank"
+    # On the representation (rep_grad) no parameter's gradient is taken: the net stays as it is, sharded or not.
+    return combines_gradients(spec) and _scope(spec) == "rank" and not _rep_grad(spec)
 
 
 def check_sharded_balancer(spec: dict[str, Any] | None, accumulate_grad_batches: int) -> None:
     """Refuse what a gradient rule on the shards (``scope=global`` under FSDP2) cannot compute."""
     scope = _scope(spec)
-    if not (combines_gradients(spec) and scope == "global"):
+    if not (combines_gradients(spec) and scope == "global") or _rep_grad(spec):
         return
     require(
         accumulate_grad_batches == 1,

@@ -48,8 +48,9 @@ class PCGrad(GradientBalancer):
         net: nn.Module | None = None,
         scope: str = "rank",
         gramian: str = "layers",
+        rep_grad: str | None = None,
     ) -> None:
-        super().__init__(tasks, base, shared, net, scope, gramian)
+        super().__init__(tasks, base, shared, net, scope, gramian, rep_grad)
         self.shuffle = bool(shuffle)
         self.generator = torch.Generator().manual_seed(int(seed))
 
@@ -128,6 +129,7 @@ class JacobianDescent(GradientBalancer):
         scope: str = "rank",
         gramian: str = "layers",
         convention: str = "torchjd",
+        rep_grad: str | None = None,
     ) -> None:
         require(callable(aggregator), "aggregator", aggregator, "a torchjd aggregator, e.g. torchjd.aggregation.UPGrad")
         require(
@@ -140,13 +142,13 @@ class JacobianDescent(GradientBalancer):
             aggregator = aggregator(n_tasks=len(tasks))
         # Only an aggregator torchjd defines by a weighting of the Gramian can take it segment by segment.
         by_gramian = getattr(aggregator, "gramian_weighting", None) is not None
-        super().__init__(tasks, base, shared, net, scope, gramian if by_gramian else "gradients")
         # Not a submodule: its state (a stateful one's) is this balancer's extra state, kept per rank; as a
         # submodule DDP would broadcast rank zero's buffers over every rank's own at each forward.
         object.__setattr__(self, "aggregator", aggregator)
+        super().__init__(tasks, base, shared, net, scope, gramian if by_gramian else "gradients", rep_grad)
         self.convention = convention
-        self.shared_factor, self.heads_weighted = (
-            libmtl_form(aggregator, len(self.tasks)) if convention == "libmtl" else (1.0, False)
+        self.shared_factor, self.heads_weighted, self.libmtl_weighting = (
+            libmtl_form(aggregator, len(self.tasks)) if convention == "libmtl" else (1.0, False, None)
         )
 
     def __new__(cls, *args: Any, **kwargs: Any) -> JacobianDescent:
@@ -167,6 +169,8 @@ class JacobianDescent(GradientBalancer):
         if self.convention == "torchjd":
             return gradient_surrogate(grads, self.aggregator(grads.vectors))
         weighting, clip = self.aggregator.weighting, 0.0
+        if self.libmtl_weighting is not None:  # LibMTL's own solver or tolerance, on the Gramian
+            weighting = lambda matrix: self.libmtl_weighting(matrix @ matrix.T)  # noqa: E731
         if type(self.aggregator).__name__ == "NashMTL":
             # LibMTL weighs the heads by the unclipped α, then clips the shared parameters' gradient norm
             # (clip_grad_norm_, ``Nash_MTL.py`` 126-130); torchjd clips α itself.
@@ -185,9 +189,49 @@ class JacobianDescent(GradientBalancer):
         return gradient_surrogate(grads, vector)
 
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
-        coefficients = _gramian_weighting(self.aggregator)(gramian)
+        coefficients = (self.libmtl_weighting or _gramian_weighting(self.aggregator))(gramian)
         own = self.shared_factor * coefficients if self.heads_weighted else torch.ones_like(coefficients)
         return GramianRule(self.shared_factor * coefficients, own)
+
+    def check_rep_grad(self, rep_grad: str, scope: str) -> None:
+        """On the representation: a Gramian weighting on either; a weighting of the matrix (Nash-MTL, ExcessMTL, ...)
+        on the batch's sum, or every sample's on each rank's own; GradDrop on the batch's sum (LibMTL's and the
+        paper's masks per feature, sign(Z) summed over the batch)."""
+        name = type(self.aggregator).__name__
+        if getattr(self.aggregator, "gramian_weighting", None) is not None:
+            return
+        require(
+            hasattr(self.aggregator, "weighting") or name == "GradDrop",
+            "rep_grad",
+            rep_grad,
+            f"null for {name} (it is no weighting of the tasks' gradients: it needs the shared parameters' own)",
+        )
+        require(
+            rep_grad == "batch" or (scope == "rank" and name != "GradDrop"),
+            "rep_grad",
+            rep_grad,
+            "batch for GradDrop (its masks are per feature, from the batch's sum) and, with scope=global, for a "
+            "rule on the gradients themselves (the ranks' samples are not gathered)",
+        )
+
+    def representation_rule(
+        self,
+        matrix: torch.Tensor,
+        gramian: torch.Tensor | None,
+        per_task: torch.Tensor,
+        rep: torch.Tensor,
+        losses: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if getattr(self.aggregator, "gramian_weighting", None) is not None:
+            return super().representation_rule(matrix, gramian, per_task, rep, losses)
+        ones = torch.ones(len(matrix), dtype=per_task.dtype, device=per_task.device)
+        if type(self.aggregator).__name__ == "GradDrop":
+            reduce = self._mean_over_ranks if self.scope == "global" else None
+            return graddrop_representation(per_task, rep, self.aggregator.leak, reduce), ones, None
+        weights = self.aggregator.weighting(matrix).to(per_task.dtype)
+        alpha = self.shared_factor * weights
+        own = alpha if self.heads_weighted else ones
+        return (alpha.view(-1, *[1] * (per_task.dim() - 1)) * per_task).sum(0), own, None
 
     @staticmethod
     def check_sharded_rule(spec: dict[str, Any]) -> None:
@@ -200,26 +244,66 @@ class JacobianDescent(GradientBalancer):
 CONVENTIONS = ("torchjd", "libmtl")
 
 
-def libmtl_form(aggregator: Any, k: int) -> tuple[float, bool]:
+def graddrop_representation(
+    per_task: torch.Tensor, rep: torch.Tensor, leak: Any, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """GradDrop on the representation (Chen et al. 2020, as LibMTL's ``GradDrop.py`` 32-49 at 4336804): the tasks'
+    gradients of Z (K × batch × ...) signed by Z and summed over the batch give each feature's sign purity P; one
+    uniform draw per feature keeps the positive or the negative tasks' gradients there (every sample alike);
+    ``leak`` (torchjd's GradDrop's: per task, None = 0) lets that much of a dropped gradient through. Returns the
+    summed kept gradient of Z. ``reduce``: the ranks' mean (``scope=global``: the global batch's purity, every rank's
+    masks alike given the same draw)."""
+    k = len(per_task)
+    signed = (per_task * rep.detach().sign().unsqueeze(0)).sum(1)
+    if reduce is not None:
+        signed = reduce(signed)
+    purity = 0.5 * (1 + signed.sum(0) / (signed.abs().sum(0) + 1e-7))
+    draw = torch.rand_like(purity)
+    mask = purity.gt(draw).unsqueeze(0) * signed.gt(0) + purity.lt(draw).unsqueeze(0) * signed.lt(0)
+    leak = torch.zeros(k) if leak is None else torch.as_tensor(leak)
+    leak = leak.to(per_task.dtype).to(per_task.device).view(-1, *[1] * (per_task.dim() - 1))
+    return (per_task * (leak + (1 - leak) * mask.unsqueeze(1).to(per_task.dtype))).sum(0)
+
+
+def libmtl_form(aggregator: Any, k: int) -> tuple[float, bool, Callable[[torch.Tensor], torch.Tensor] | None]:
     """How LibMTL's update (median-research-group/LibMTL at 4336804) differs from torchjd's aggregate of the same
-    weights: (its factor on the shared parameters' update, whether it weighs each head by the method's weight).
+    weights: (its factor on the shared parameters' update, whether it weighs each head by the method's weight, its
+    own weighting of the Gramian where it solves otherwise).
 
     CAGrad: ``rescale=1`` (LibMTL's default) divides the update by 1 + c² (``CAGrad.py`` 55-60). Aligned-MTL: α =
-    B.sum(0) where torchjd's is B·(1/K)·1: LibMTL's is K times torchjd's (``Aligned_MTL.py`` 38). Nash-MTL, FairGrad:
+    B.sum(0) where torchjd's is B·(1/K)·1, its rank tolerance in float32's ε (`libmtl_aligned_mtl`). MGDA: LibMTL's
+    Frank-Wolfe solver stopped at 1e-5 (`min_norm.libmtl_min_norm`), not the exact point. Nash-MTL, FairGrad:
     ``torch.sum(w * losses).backward()`` (``Nash_MTL.py`` 127, ``FairGrad.py`` 40), so each head gets wᵢ times its
     task's gradient. ExcessMTL: weights summing to K where torchjd's sum to 1, and Σ wᵢLᵢ backwarded (``ExcessMTL.py``
     47-52): K times the update, each head weighted by K·wᵢ. Every other aggregator: the same update, each head its own
     task's gradient (LibMTL's per-task ``backward`` before ``_reset_grad``).
     """
+    from multiloss.balancers.min_norm import MinNormWeighting, libmtl_min_norm
+
     name = type(aggregator).__name__
     if name == "CAGrad":
         c = next(m.c for m in aggregator.modules() if hasattr(m, "c"))
-        return 1.0 / (1.0 + float(c) ** 2), False
+        return 1.0 / (1.0 + float(c) ** 2), False, None
     if name == "AlignedMTL":
-        return float(k), False
+        return 1.0, False, libmtl_aligned_mtl
     if name == "ExcessMTL":  # weights summing to K (ExcessMTL.py 47), Σ wᵢLᵢ backwarded (51-52): heads weighted too
-        return float(k), True
-    return 1.0, name in ("NashMTL", "FairGrad")
+        return float(k), True, None
+    if isinstance(getattr(aggregator, "gramian_weighting", None), MinNormWeighting):
+        return 1.0, False, libmtl_min_norm
+    return 1.0, name in ("NashMTL", "FairGrad"), None
+
+
+def libmtl_aligned_mtl(gramian: torch.Tensor) -> torch.Tensor:
+    """LibMTL's Aligned-MTL weights (``Aligned_MTL.py`` 18-38 at 4336804; torch.symeig is torch.linalg.eigh): α =
+    B.sum(0), K times torchjd's α = B·(1/K)·1, and its rank tolerance max λ·K·ε with ε the default dtype's
+    (``torch.finfo()``: float32's), where torchjd's takes the Gramian's (float64's on a float64 net)."""
+    lmbda, v = torch.linalg.eigh(gramian.detach())
+    tol = torch.max(lmbda) * max(gramian.shape[-2:]) * torch.finfo().eps
+    rank = int(sum(lmbda > tol))
+    order = torch.argsort(lmbda, dim=-1, descending=True)
+    lmbda, v = lmbda[order][:rank], v[:, order][:, :rank]
+    b = lmbda[-1].sqrt() * ((v @ torch.diag(1 / lmbda.sqrt())) @ v.t())
+    return b.sum(0)
 
 
 class IMTL(JacobianDescent):
@@ -236,10 +320,11 @@ class IMTL(JacobianDescent):
         net: nn.Module | None = None,
         scope: str = "rank",
         gramian: str = "layers",
+        rep_grad: str | None = None,
     ) -> None:
         from torchjd.aggregation import IMTLG
 
-        super().__init__(tasks, base, IMTLG(), shared, net, scope, gramian)
+        super().__init__(tasks, base, IMTLG(), shared, net, scope, gramian, rep_grad=rep_grad)
         self.log_scale = nn.Parameter(torch.zeros(len(self.tasks)))
 
     def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -312,8 +397,9 @@ class GradNorm(GradientBalancer):
         net: nn.Module | None = None,
         scope: str = "rank",
         gramian: str = "layers",
+        rep_grad: str | None = None,
     ) -> None:
-        super().__init__(tasks, base, shared, net, scope, gramian)
+        super().__init__(tasks, base, shared, net, scope, gramian, rep_grad)
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
         require(0 < min_weight < 1, "min_weight", min_weight, "a number in (0, 1): the least weight a task keeps")
         self.alpha, self.min_weight = float(alpha), float(min_weight)

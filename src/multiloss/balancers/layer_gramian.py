@@ -105,8 +105,12 @@ class LayerGramian:
     """Records where the outputs of ``net``'s modules sit in each forward with gradients on, and computes the tasks'
     Gramian on the shared parameters from the graph, segment by segment (`gramian`)."""
 
-    def __init__(self, net: nn.Module) -> None:
+    def __init__(self, net: nn.Module, keep_outputs: bool = False) -> None:
         self.layers = list(net.modules())
+        # ``rep_grad``: the modules' outputs themselves (the representation is one; its value and its place in the
+        # graph are read at the step), with their version at the forward (an in-place op after it would change it).
+        self.keep_outputs = keep_outputs
+        self.outputs: dict[int, tuple[torch.Tensor, int]] = {}
         self.cuts: dict[int, _Cut] = {}  # by the graph node of a module's output, in the order of the forward
         self._said = False
         self.steps = 0  # the steps whose Gramian came from the segments (what a test or a benchmark reads)
@@ -126,9 +130,45 @@ class LayerGramian:
             cut.edge = GradientEdge(edge.node, -1)
         x = args[0] if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor) else None
         cut.calls.append((module, x, output.shape))
+        if self.keep_outputs:
+            self.outputs[id(edge.node)] = (output, output._version)
 
     def clear(self) -> None:
-        self.cuts = {}
+        self.cuts, self.outputs = {}, {}
+
+    def representation(self, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """The representation — the first boundary from the losses: the output of the module where every task's path
+        meets (the encoder's, LibMTL's ``rep``) — its K gradients (K × its shape, one backward of the losses through
+        the heads only, vectorised over the tasks), and the name of the module that returned it."""
+        cuts = [c for c in self.cuts.values() if c.edge.output_nr >= 0]
+        outputs = self.outputs
+        self.clear()
+        boundaries = _CutGraph(losses, cuts).boundaries()
+        names = (
+            [self._module_names.get(id(m), type(m).__name__) for m, _, _ in cuts[boundaries[0]].calls]
+            if boundaries
+            else []
+        )
+        kept = outputs.get(id(cuts[boundaries[0]].edge.node)) if boundaries else None
+        if kept is None or kept[0]._version != kept[1]:
+            raise RuntimeError(
+                "model.balancer.rep_grad: no representation found — "
+                + (
+                    f"the output of {' / '.join(names)} is where the tasks meet, but it is changed in place after "
+                    "its module (e.g. a ReLU(inplace=True) after it): make that op out of place"
+                    if kept is not None
+                    else "no module's output lies on every task's path (each task its own trunk, or the tasks meet "
+                    "outside a module of model.net)"
+                )
+                + "; or set model.balancer.rep_grad=null (the rule on the shared parameters' gradients)"
+            )
+        rep = kept[0]
+        eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+        (per_task,) = torch.autograd.grad(
+            losses, [cuts[boundaries[0]].edge], grad_outputs=eye, is_grads_batched=True, retain_graph=True
+        )
+        self.steps += 1
+        return rep, per_task, " / ".join(names)
 
     def remove(self) -> None:
         """Take the hooks off the modules and drop what they recorded."""
@@ -143,6 +183,7 @@ class LayerGramian:
         inert = LayerGramian.__new__(LayerGramian)
         inert.layers, inert.cuts, inert._said, inert.steps, inert.handles = [], {}, True, 0, []
         inert.held, inert.switched, inert.by_gradients, inert._names, inert._module_names = 0, 0, 0, {}, {}
+        inert.keep_outputs, inert.outputs = False, {}
         return inert
 
     def gramian(self, losses: torch.Tensor, shared: Sequence[nn.Parameter]) -> torch.Tensor | None:

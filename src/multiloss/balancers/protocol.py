@@ -25,6 +25,7 @@ from multiloss.balancers.task_gradients import TaskGradients, select_parameters,
 from multiloss.config import require
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+REP_GRAD = (None, "batch", "samples")
 
 
 class Balancer(nn.Module):
@@ -197,7 +198,8 @@ def balance(
     if not balancer.combines_gradients:
         return balanced
     shared = shared_parameters(balancer, net)
-    if parallelism.sharded and "net" not in parallelism.held:  # the rule on the shards
+    on_representation = getattr(balancer, "rep_grad", None) is not None  # no parameter's gradient: shards as they are
+    if parallelism.sharded and "net" not in parallelism.held and not on_representation:  # the rule on the shards
         apply_sharded_rule(net, balancer, list(losses.values()), backward, sum_over_ranks, shared)
         balanced.backwarded = True
     else:  # read after the forward: under FSDP2 the net then holds its whole weights
@@ -234,9 +236,24 @@ class GradientBalancer(Balancer):
         net: nn.Module | None = None,
         scope: str = "rank",
         gramian: str = "layers",
+        rep_grad: str | None = None,
     ) -> None:
         super().__init__(tasks, base)
         require(shared is None or net is not None, "shared", shared, "null, unless the recipe passes its net")
+        require(
+            rep_grad in REP_GRAD,
+            "rep_grad",
+            rep_grad,
+            "null (the rule on the shared parameters' gradients), batch (on the representation's gradients summed over "
+            "the batch: LibMTL's rep_grad) or samples (on every sample's representation gradient: MGDA-UB's code)",
+        )
+        require(
+            rep_grad is None or shared is None,
+            "shared",
+            shared,
+            "null with model.balancer.rep_grad (the rule works on the representation, where the tasks' paths meet)",
+        )
+        require(rep_grad is None or net is not None, "rep_grad", rep_grad, "null, unless the recipe passes its net")
         require(
             gramian in ("layers", "gradients"),
             "gramian",
@@ -255,9 +272,13 @@ class GradientBalancer(Balancer):
         self.shared = None if shared is None else list(shared)
         self._shared_built = None if shared is None else select_parameters(net, shared)
         self._mean_over_ranks: Reduce | None = None
-        # The Gramian segment by segment (`layer_gramian`): for a rule that needs only the Gramian, each rank's own.
+        self.rep_grad = rep_grad
+        if rep_grad is not None:
+            self.check_rep_grad(rep_grad, scope)
+        # The Gramian segment by segment (`layer_gramian`): for a rule that needs only the Gramian, each rank's own;
+        # the representation's gradients (rep_grad) are read from the same records.
         uses_layers = gramian == "layers" and net is not None and scope == "rank" and self.rule_is_gramian()
-        self._layers = LayerGramian(net) if uses_layers else None
+        self._layers = LayerGramian(net, keep_outputs=True) if rep_grad else LayerGramian(net) if uses_layers else None
 
     def release(self) -> None:
         if self._layers is not None:
@@ -297,6 +318,8 @@ class GradientBalancer(Balancer):
         weighted = self.rule_losses(losses)
         shared = shared if shared is not None else self._shared_built
         with torch.autocast(weighted[0].device.type, enabled=False):
+            if self.rep_grad is not None:
+                return self._surrogate_from_representation(weighted, losses)
             if self._layers is not None:
                 surrogate = self._surrogate_from_gramian(
                     weighted, losses, [p for p in params if p.requires_grad], shared
@@ -342,6 +365,66 @@ class GradientBalancer(Balancer):
                 if g is not None:  # a head: its task's gradient times βᵢ - αᵢ, added to the αᵢ the backward gives
                     total = total + (p * (change.view(-1, *[1] * p.dim()) * g).sum(0).detach()).sum()
         return total if rule.extra is None else total + rule.extra
+
+    def _surrogate_from_representation(
+        self, weighted: list[torch.Tensor], losses: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """``rep_grad``: the rule on the tasks' gradients of the representation Z (LibMTL's ``rep_grad``, MGDA-UB),
+        as a loss whose backward gives each head its own coefficient's gradient βᵢ·∇Lᵢ and the shared layers below Z
+        the rule's combination D of the K gradients of Z (Σαᵢ·∇_Z Lᵢ, or GradDrop's masked sum), pulled back through
+        Z: Σᵢ βᵢLᵢ + ⟨Z, D - Σᵢ βᵢ∇_Z Lᵢ⟩ with the bracket held constant. No parameter's gradient is taken: one
+        backward of the K losses through the heads (vectorised over the tasks), then this one."""
+        layers = self._layers
+        assert layers is not None
+        stacked = torch.stack(weighted)
+        rep, per_task, _ = layers.representation(stacked)
+        k = len(stacked)
+        if self.rep_grad == "batch":  # LibMTL's: summed over the batch (abstract_weighting.py 90)
+            matrix = per_task.reshape(k, per_task.shape[1], -1).sum(1) if per_task.dim() > 2 else per_task
+            if self.scope == "global" and self._mean_over_ranks is not None:
+                matrix = self._mean_over_ranks(matrix)  # the global batch's sum (each rank's loss a mean of its own)
+            gramian = None
+        else:  # every sample's gradient, flattened (MGDA-UB): the ranks' samples are other coordinates
+            matrix = per_task.reshape(k, -1)
+            gramian = (
+                matrix.double() @ matrix.double().T
+                if matrix.dtype == torch.float64
+                else matrix.float() @ matrix.float().T
+            )
+            if self.scope == "global" and self._mean_over_ranks is not None:
+                ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+                gramian = self._mean_over_ranks(gramian) / ranks
+        direction, own, extra = self.representation_rule(matrix, gramian, per_task, rep, losses)
+        own = own.to(stacked.dtype).detach()
+        kept = (own.view(-1, *[1] * (per_task.dim() - 1)).to(per_task.dtype) * per_task).sum(0)
+        total = (own * stacked).sum() + (rep * (direction.to(rep.dtype) - kept.to(rep.dtype)).detach()).sum()
+        return total if extra is None else total + extra
+
+    def check_rep_grad(self, rep_grad: str, scope: str) -> None:
+        """Refuse, at construction, a ``rep_grad`` this rule cannot run (a rule on the Gramian runs on either)."""
+        require(
+            self.rule_is_gramian(),
+            "rep_grad",
+            rep_grad,
+            "null for this method (it needs each shared parameter's gradient)",
+        )
+
+    def representation_rule(
+        self,
+        matrix: torch.Tensor,
+        gramian: torch.Tensor | None,
+        per_task: torch.Tensor,
+        rep: torch.Tensor,
+        losses: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rule on the representation's gradients: (D, the heads' coefficients β, the balancer's own term). A
+        Gramian rule's coefficients α on ``matrix``'s Gramian (``gramian`` where given: the samples')."""
+        if gramian is None:
+            wide = matrix.double() if matrix.dtype == torch.float64 else matrix.float()
+            gramian = wide @ wide.T
+        rule = self.gramian_rule(gramian, losses)
+        alpha = rule.shared.to(per_task.dtype).view(-1, *[1] * (per_task.dim() - 1))
+        return (alpha * per_task).sum(0), rule.own, rule.extra
 
     def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The losses whose gradients the rule combines: cᵢ·Lᵢ (IMTL: its learned scales too)."""

@@ -1,0 +1,164 @@
+"""``model.balancer.rep_grad``: the rules on the tasks' gradients of the representation, equal to LibMTL's ``rep_grad``.
+
+LibMTL transcribed from median-research-group/LibMTL at 4336804847eaa5e0b924b743d76beec7ac3fdc97: the architecture's
+``_prepare_rep`` (``architecture/abstract_arch.py`` 67-75: each task's decoder on its own detached copy of the
+encoder's output), ``AbsWeighting._compute_grad`` / ``_get_grads`` / ``_backward_new_grads`` with ``rep_grad=True``
+(``weighting/abstract_weighting.py`` 56-65, 87-96, 110-114: each task's gradient of its copy, summed over the batch
+for the rule, then ``rep.backward(Σ wᵢ·∇_Z Lᵢ)``), and the methods (lines named at each). 20 SGD steps, float64,
+`tests.test_balancer_parity`'s net (its trunk's output is the representation) and data.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_balancer_parity import BASE, LR, STEPS, TASKS, Net, _changed, _data, _largest_difference, _ours
+
+pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
+K = len(TASKS)
+
+
+def _mgda_weights(grads: torch.Tensor) -> torch.Tensor:
+    """LibMTL/weighting/MGDA.py lines 22-108 (``_find_min_norm_element``), as written there."""
+
+    def _min_norm_element_from2(v1v1, v1v2, v2v2):
+        if v1v2 >= v1v1:
+            return 0.999, v1v1
+        if v1v2 >= v2v2:
+            return 0.001, v2v2
+        gamma = -1.0 * ((v1v2 - v2v2) / (v1v1 + v2v2 - 2 * v1v2))
+        return gamma, v2v2 + gamma * (v1v2 - v2v2)
+
+    def _min_norm_2d(grad_mat):
+        dmin = 1e8
+        for i in range(grad_mat.size()[0]):
+            for j in range(i + 1, grad_mat.size()[0]):
+                c, d = _min_norm_element_from2(grad_mat[i, i], grad_mat[i, j], grad_mat[j, j])
+                if d < dmin:
+                    dmin = d
+                    sol = [(i, j), c, d]
+        return sol
+
+    def _projection2simplex(y):
+        m = len(y)
+        sorted_y = torch.sort(y, descending=True)[0]
+        tmpsum = 0.0
+        tmax_f = (torch.sum(y) - 1.0) / m
+        for i in range(m - 1):
+            tmpsum += sorted_y[i]
+            tmax = (tmpsum - 1) / (i + 1.0)
+            if tmax > sorted_y[i + 1]:
+                tmax_f = tmax
+                break
+        return torch.max(y - tmax_f, torch.zeros(m))
+
+    def _next_point(cur_val, grad, n):
+        proj_grad = grad - (torch.sum(grad) / n)
+        tm1 = -1.0 * cur_val[proj_grad < 0] / proj_grad[proj_grad < 0]
+        tm2 = (1.0 - cur_val[proj_grad > 0]) / (proj_grad[proj_grad > 0])
+        t = torch.ones(1)
+        if (tm1 > 1e-7).sum() > 0:
+            t = torch.min(tm1[tm1 > 1e-7])
+        if (tm2 > 1e-7).sum() > 0:
+            t = torch.min(t, torch.min(tm2[tm2 > 1e-7]))
+        return _projection2simplex(proj_grad * t + cur_val)
+
+    grad_mat = grads.mm(grads.t())
+    init_sol = _min_norm_2d(grad_mat)
+    n = grads.size()[0]
+    sol_vec = torch.zeros(n)
+    sol_vec[init_sol[0][0]] = init_sol[1]
+    sol_vec[init_sol[0][1]] = 1 - init_sol[1]
+    for _ in range(250):  # MAX_ITER
+        grad_dir = -1.0 * torch.matmul(grad_mat, sol_vec.to(grad_mat.dtype))
+        new_point = _next_point(sol_vec, grad_dir, n)
+        v1v1 = torch.sum(sol_vec.unsqueeze(1).repeat(1, n) * sol_vec.unsqueeze(0).repeat(n, 1) * grad_mat)
+        v1v2 = torch.sum(sol_vec.unsqueeze(1).repeat(1, n) * new_point.unsqueeze(0).repeat(n, 1) * grad_mat)
+        v2v2 = torch.sum(new_point.unsqueeze(1).repeat(1, n) * new_point.unsqueeze(0).repeat(n, 1) * grad_mat)
+        nc, _ = _min_norm_element_from2(v1v1, v1v2, v2v2)
+        new_sol_vec = nc * sol_vec + (1 - nc) * new_point
+        if torch.sum(torch.abs(new_sol_vec - sol_vec)) < 1e-5:  # STOP_CRIT
+            return sol_vec
+        sol_vec = new_sol_vec
+    return sol_vec
+
+
+def _libmtl_rep_grad(method: str) -> Net:
+    """LibMTL's Trainer with ``rep_grad=True`` around one method: each head on its own detached copy of the trunk's
+    output, each task's backward (the heads' own gradients, the copies' gradients), the method, ``rep.backward``."""
+    net, (x, y) = Net().double(), _data()
+    loss_scale = torch.zeros(K, dtype=torch.float64, requires_grad=True)  # IMTL's (IMTL.py 15-16)
+    optimizer = torch.optim.SGD([*net.parameters(), loss_scale], lr=LR)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    for t in range(STEPS):
+        torch.manual_seed(100 + t)
+        optimizer.zero_grad()
+        rep = net.trunk(x)
+        rep_tasks = [rep.detach().clone().requires_grad_(True) for _ in TASKS]  # abstract_arch.py 73-75
+        losses = torch.stack(
+            [
+                F.mse_loss(head(r).squeeze(-1), y[:, i]) * (i + 1)
+                for i, (head, r) in enumerate(zip(net.heads, rep_tasks))
+            ]
+        )
+        losses = losses * base
+        if method == "imtl":  # IMTL.py 22
+            losses = loss_scale.exp() * losses - loss_scale
+        per_grads = torch.zeros(K, *rep.size(), dtype=rep.dtype)  # abstract_weighting.py 57-64
+        for tn in range(K):
+            losses[tn].backward(retain_graph=True) if (tn + 1) != K else losses[tn].backward()
+            per_grads[tn] = rep_tasks[tn].grad.data.clone()
+        grads = per_grads.reshape(K, rep.size()[0], -1).sum(1)  # abstract_weighting.py 90
+        if method == "mgda":  # MGDA.py 124-135, mgda_gn 'none'
+            weights = _mgda_weights(grads).to(rep.dtype)
+        elif method == "imtl":  # IMTL.py 23-35
+            grads_unit = grads / torch.norm(grads, p=2, dim=-1, keepdim=True)
+            D = grads[0:1].repeat(K - 1, 1) - grads[1:]
+            U = grads_unit[0:1].repeat(K - 1, 1) - grads_unit[1:]
+            alpha = torch.matmul(torch.matmul(grads[0], U.t()), torch.inverse(torch.matmul(D, U.t())))
+            weights = torch.cat((1 - alpha.sum().unsqueeze(0), alpha), dim=0)
+        elif method == "aligned_mtl":  # Aligned_MTL.py 18-41 (torch.symeig: torch.linalg.eigh)
+            M = torch.matmul(grads, grads.t())
+            lmbda, V = torch.linalg.eigh(M)
+            tol = torch.max(lmbda) * max(M.shape[-2:]) * torch.finfo().eps
+            rank = sum(lmbda > tol)
+            order = torch.argsort(lmbda, dim=-1, descending=True)
+            lmbda, V = lmbda[order][:rank], V[:, order][:, :rank]
+            B = lmbda[-1].sqrt() * ((V @ torch.diag(1 / lmbda.sqrt())) @ V.t())
+            weights = B.sum(0)
+        if method == "graddrop":  # GradDrop.py 25-49, leak 0.0
+            leak = 0.0
+            inputs = rep.unsqueeze(0).repeat_interleave(K, dim=0)
+            signed = (per_grads * inputs.sign()).sum(1)
+            P = 0.5 * (1 + signed.sum(0) / (signed.abs().sum(0) + 1e-7))
+            U = torch.rand_like(P)
+            M = P.gt(U).unsqueeze(0).repeat_interleave(K, dim=0) * signed.gt(0) + P.lt(U).unsqueeze(
+                0
+            ).repeat_interleave(K, dim=0) * signed.lt(0)
+            M = M.unsqueeze(1).repeat_interleave(per_grads.size()[1], dim=1)
+            rep.backward((per_grads * (leak + (1 - leak) * M)).sum(0))
+        else:  # _backward_new_grads (abstract_weighting.py 110-114)
+            rep.backward(sum([weights[i] * per_grads[i] for i in range(K)]))
+        optimizer.step()
+    return net
+
+
+def _ours_rep_grad(method: str, rep_grad: str = "batch") -> Net:
+    from multiloss.balancers.build import build_balancer
+    from tests.test_balancer_parity import _spec
+
+    extra = ["model.balancer.convention=libmtl"] if method in ("aligned_mtl", "mgda") else []
+    spec = _spec(method, f"model.balancer.rep_grad={rep_grad}", *extra)
+    return _ours(lambda net: build_balancer(spec, TASKS, BASE, net, "model.balancer"))
+
+
+@pytest.mark.parametrize("method", ["mgda", "imtl", "aligned_mtl", "graddrop"])
+def test_rep_grad_is_libmtls_rep_grad(method):
+    ours, reference = _ours_rep_grad(method), _libmtl_rep_grad(method)
+    worst = _largest_difference(ours, reference)
+    print(f"{method}: rep_grad, largest weight difference to LibMTL {worst:.2g}")
+    assert _changed(ours) and worst <= 1e-6
