@@ -189,6 +189,12 @@ def _libmtl_run(method: str) -> Net:
                 lambda w, A=A: np.dot(A, w) - np.power(1 / w, 1 / 1.0), np.ones(K) / K, bounds=(0, np.inf)
             )
             torch.sum(torch.Tensor(res.x).double() * losses).backward()
+        elif method == "mgda":  # MGDA.py 124-135, mgda_gn 'none'; its solver: tests.test_balancer_rep_grad
+            from tests.test_balancer_rep_grad import _mgda_weights
+
+            grads = lib.compute_grad(losses)
+            sol = _mgda_weights(grads).to(grads.dtype)
+            lib.reset_grad(sum([sol[i] * grads[i] for i in range(K)]))
         elif method == "excess_mtl":  # ExcessMTL.py 19-52 (robust_step_size 1e-2: config.py 69)
             grads = _autograd_grads(lib, list(losses))
             excess.backward(losses, grads)
@@ -217,12 +223,13 @@ def _ours_libmtl(method: str, gramian: str = "layers") -> Net:
         "fairgrad": lambda: aggregation.FairGrad(alpha=1.0),
         "nash_mtl": lambda: aggregation.NashMTL(n_tasks=K, max_norm=1.0, update_weights_every=1, optim_niter=20),
         "excess_mtl": lambda: __import__("multiloss.balancers.excess_mtl").balancers.excess_mtl.ExcessMTL(),
+        "mgda": lambda: __import__("multiloss.balancers.min_norm").balancers.min_norm.exact_mgda(),
     }[method]
     return _ours(lambda net: JacobianDescent(TASKS, BASE, make(), net=net, gramian=gramian, convention="libmtl"))
 
 
 @pytest.mark.parametrize("gramian", ["layers", "gradients"])  # the Gramian layer by layer, or the K gradients
-@pytest.mark.parametrize("method", ["aligned_mtl", "cagrad", "fairgrad", "nash_mtl", "excess_mtl"])
+@pytest.mark.parametrize("method", ["aligned_mtl", "cagrad", "fairgrad", "nash_mtl", "excess_mtl", "mgda"])
 def test_convention_libmtl_is_libmtls_code(method, gramian):
     ours, reference = _ours_libmtl(method, gramian), _libmtl_run(method)
     worst = _largest_difference(ours, reference)

@@ -147,11 +147,11 @@ def _libmtl_rep_grad(method: str) -> Net:
     return net
 
 
-def _ours_rep_grad(method: str, rep_grad: str = "batch") -> Net:
+def _ours_rep_grad(method: str, rep_grad: str = "batch", libmtl: bool = True) -> Net:
     from multiloss.balancers.build import build_balancer
     from tests.test_balancer_parity import _spec
 
-    extra = ["model.balancer.convention=libmtl"] if method in ("aligned_mtl", "mgda") else []
+    extra = ["model.balancer.convention=libmtl"] if libmtl and method in ("aligned_mtl", "mgda") else []
     spec = _spec(method, f"model.balancer.rep_grad={rep_grad}", *extra)
     return _ours(lambda net: build_balancer(spec, TASKS, BASE, net, "model.balancer"))
 
@@ -162,3 +162,84 @@ def test_rep_grad_is_libmtls_rep_grad(method):
     worst = _largest_difference(ours, reference)
     print(f"{method}: rep_grad, largest weight difference to LibMTL {worst:.2g}")
     assert _changed(ours) and worst <= 1e-6
+
+
+def _reference_samples_mgda() -> Net:
+    """MGDA-UB as Sener & Koltun's code runs it: the minimum-norm point of every sample's representation gradient
+    (the tasks' ∇_Z Lᵢ flattened over the batch), applied as ``rep.backward(Σ αᵢ ∇_Z Lᵢ)`` — the exact point here
+    (`MinNormWeighting`), on the LibMTL-shaped harness above."""
+    from multiloss.balancers.min_norm import MinNormWeighting
+
+    net, (x, y) = Net().double(), _data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        rep = net.trunk(x)
+        copies = [rep.detach().clone().requires_grad_(True) for _ in TASKS]
+        losses = torch.stack(
+            [F.mse_loss(head(r).squeeze(-1), y[:, i]) * (i + 1) for i, (head, r) in enumerate(zip(net.heads, copies))]
+        )
+        (losses * base).sum().backward()  # each head its own task's gradient, each copy its task's ∇_Z
+        per = torch.stack([c.grad for c in copies])
+        flat = per.reshape(K, -1)
+        alpha = MinNormWeighting()(flat @ flat.T)
+        rep.backward((alpha.view(-1, 1, 1) * per).sum(0))
+        optimizer.step()
+    return net
+
+
+def test_rep_grad_samples_is_mgda_ub_on_every_samples_representation_gradient():
+    ours, reference = _ours_rep_grad("mgda", "samples", libmtl=False), _reference_samples_mgda()
+    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-9
+    batch = _ours_rep_grad("mgda", "batch", libmtl=False)
+    assert _largest_difference(ours, batch) > 1e-4  # the batch's sum: another rule
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        (("balancer=upgrad", "model.balancer.rep_grad=encoder"), "model.balancer.rep_grad", "encoder"),
+        (
+            ("balancer=upgrad", "model.balancer.rep_grad=batch", "model.balancer.shared=[trunk]"),
+            "model.balancer.shared",
+            ["trunk"],
+        ),
+        (("balancer=graddrop", "model.balancer.rep_grad=samples"), "model.balancer.rep_grad", "samples"),
+        (
+            ("balancer=nash_mtl", "model.balancer.rep_grad=samples", "model.balancer.scope=global"),
+            "model.balancer.rep_grad",
+            "samples",
+        ),
+    ],
+)
+def test_a_rep_grad_the_rule_cannot_run_is_refused_by_key(tmp_path, overrides, key, value):
+    from multiloss import testing
+    from multiloss.config import ConfigError
+
+    cfg = testing.compose("recipe=weighted", *overrides, output_dir=tmp_path)
+    with pytest.raises(ConfigError) as err:
+        testing.build(cfg)
+    assert (err.value.key, err.value.value) == (key, value)
+
+
+@pytest.mark.parametrize("name", ["mgda", "pcgrad", "graddrop", "nash_mtl"])
+def test_rep_grad_trains_the_recipe_and_costs_no_parameter_gradient(tmp_path, name):
+    """``recipe=weighted balancer=<m> model.balancer.rep_grad=batch`` through the real Trainer: the representation is
+    the trunk's output, found; the rule never takes a parameter's gradient (one backward through the heads, then
+    one), and the run resumes from its checkpoint to the straight run's weights."""
+    from multiloss import testing, train
+    from tests.conftest import QUIET
+
+    short = (*QUIET, "~callbacks.loss_curves", "trainer=cpu", "trainer.num_sanity_val_steps=0")
+    common = ("recipe=weighted", f"balancer={name}", "model.balancer.rep_grad=batch")
+    train(testing.compose(*short, *common, "trainer.max_steps=4", output_dir=tmp_path / "straight"))
+    train(testing.compose(*short, *common, "trainer.max_steps=2", output_dir=tmp_path / "split"))
+    last = tmp_path / "split/checkpoints/last.ckpt"
+    train(testing.compose(*short, *common, "trainer.max_steps=4", f"ckpt_path={last}", output_dir=tmp_path / "split"))
+    straight, split = (
+        torch.load(tmp_path / f"{d}/checkpoints/last.ckpt", weights_only=False)["state_dict"]
+        for d in ("straight", "split")
+    )
+    floats = [k for k, v in straight.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert floats and max(float((straight[k] - split[k]).abs().max()) for k in floats) == 0.0
