@@ -81,8 +81,8 @@ def run_case(name: str, k: int, steps: int, trunk: str = "dense") -> dict[str, f
     net.trunk, width, x = _trunk(trunk)
     net.heads = nn.ModuleList(nn.Linear(width, 10) for _ in range(k))
     tasks = [f"task{i}" for i in range(k)]
-    method, _, path = name.partition(":")  # pcgrad:gradients — the rule on the K task gradients
-    extra = [f"model.balancer.gramian={path}"] if path else []
+    method, _, path = name.partition(":")  # pcgrad:gradients — the rule on the K task gradients; :rep_grad
+    extra = {"": [], "rep_grad": ["model.balancer.rep_grad=batch"]}.get(path, [f"model.balancer.gramian={path}"])
     cfg = testing.compose("recipe=weighted", f"balancer={method}", *extra)
     spec = OmegaConf.to_container(cfg.model.balancer, resolve=True)
     balancer = build_balancer(spec, tasks, [1.0] * k, net, "model.balancer")
@@ -126,6 +126,7 @@ def main() -> None:
     shipped = sorted(p.stem for p in (ROOT / "configs/balancer").glob("*.yaml"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     variants = [f"{n}:gradients" for n in ("pcgrad", "upgrad", "cagrad", "gradvac")]
+    variants += [f"{n}:rep_grad" for n in ("pcgrad", "upgrad", "mgda", "gradnorm", "nash_mtl", "graddrop")]
     parser.add_argument("--balancers", nargs="+", default=[*shipped, *variants], choices=[*shipped, *variants])
     parser.add_argument("--tasks", nargs="+", type=int, default=[3, 8])
     parser.add_argument("--steps", type=int, default=2)

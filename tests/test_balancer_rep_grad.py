@@ -206,6 +206,7 @@ def test_rep_grad_samples_is_mgda_ub_on_every_samples_representation_gradient():
             ["trunk"],
         ),
         (("balancer=graddrop", "model.balancer.rep_grad=samples"), "model.balancer.rep_grad", "samples"),
+        (("balancer=config", "model.balancer.rep_grad=batch"), "model.balancer.rep_grad", "batch"),
         (
             ("balancer=nash_mtl", "model.balancer.rep_grad=samples", "model.balancer.scope=global"),
             "model.balancer.rep_grad",

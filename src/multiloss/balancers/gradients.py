@@ -200,11 +200,13 @@ class JacobianDescent(GradientBalancer):
         name = type(self.aggregator).__name__
         if getattr(self.aggregator, "gramian_weighting", None) is not None:
             return
+        from torchjd.aggregation._aggregator_bases import WeightedAggregator
+
         require(
-            hasattr(self.aggregator, "weighting") or name == "GradDrop",
+            isinstance(self.aggregator, WeightedAggregator) or name == "GradDrop",
             "rep_grad",
             rep_grad,
-            f"null for {name} (it is no weighting of the tasks' gradients: it needs the shared parameters' own)",
+            f"null for {name} (its update is no weighting of the tasks' gradients: it needs the parameters' own)",
         )
         require(
             rep_grad == "batch" or (scope == "rank" and name != "GradDrop"),
