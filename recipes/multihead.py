@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss.base.multitask import MultiTaskRecipe
+from multiloss.base.multitask import MultiTaskRecipe, mean_losses
 from multiloss.batches import require_keys
 from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
@@ -143,8 +143,9 @@ class MultiHead(MultiTaskRecipe):
         batch = self.prepare_batch(batch)
         # The block steps on every k-th micro-batch (and an epoch's last): clipping, step, zeroing, schedule.
         with self.step_of(self.optimizers(), batch_idx) as step:
-            per_head = self.head_losses(batch)
-            balanced = self.balance(per_head)  # Σ wᵢ·CE(headᵢ): head_weights, or the balancer's weights
+            draws = self.draws(batch, self.head_losses)  # SDMGrad, MoDo: 3 parts of the batch
+            balanced = self.balance(draws)  # Σ wᵢ·CE(headᵢ): head_weights, or the balancer's weights
+            per_head = mean_losses(draws)
             # One backward of the sum, loss / k: autograd adds the heads' contributions where they meet in the trunk.
             # (PCGrad & co.: a scalar whose gradient is their combination of the heads' gradients.)
             balanced.backward(step, as_sum=True)

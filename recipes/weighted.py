@@ -35,7 +35,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from multiloss.base.multitask import MultiTaskRecipe
+from multiloss.base.multitask import MultiTaskRecipe, mean_losses
 from multiloss.batches import require_keys
 from multiloss.callbacks import LoggedCurvesPlot
 from multiloss.component_check import call_component, describe_batch, describe_output
@@ -186,8 +186,9 @@ class WeightedMultiTask(MultiTaskRecipe):
         batch = self.prepare_batch(batch)
         # The block steps on every k-th micro-batch (and an epoch's last): clipping, step, zeroing, schedule.
         with self.step_of(self.optimizers(), batch_idx) as step:
-            _, per_task = self.outputs_and_losses(batch)
-            balanced = self.balance(per_task)  # the weights: the configured ones, or the balancer's
+            draws = self.draws(batch, lambda part: self.outputs_and_losses(part)[1])  # SDMGrad, MoDo: 3 parts
+            balanced = self.balance(draws)  # the weights: the configured ones, or the balancer's
+            per_task = mean_losses(draws)
             # One pass seeded with the weights (grad_tensors), loss / k: Σ wᵢ·∇lossᵢ, the graph walked once. (A
             # balancer's own term rides along with weight 1; PCGrad & co. backward their combination's surrogate.)
             balanced.backward(step)

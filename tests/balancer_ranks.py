@@ -68,8 +68,14 @@ def _run(spec: dict, way: str, rank: int) -> list[torch.Tensor]:
         torch.manual_seed(100 + step)
         optimizer.zero_grad()
         block = held.step(True) if held is not None else _nothing()
-        with block:
-            balancer_backward(balancer, dict(zip(TASKS, _losses(net, x, y)[1])), net, parallelism, mean, total)
+        with block:  # the forward inside: under FSDP2 held whole, the step's graph is on the whole weights
+            if balancer.batches_per_step > 1:  # SDMGrad, MoDo: each rank's batch in draws, as the recipe splits it
+                n = balancer.batches_per_step
+                parts = zip(torch.tensor_split(x, n), torch.tensor_split(y, n))
+                losses = [dict(zip(TASKS, _losses(net, xs, ys)[1])) for xs, ys in parts]
+            else:
+                losses = dict(zip(TASKS, _losses(net, x, y)[1]))
+            balancer_backward(balancer, losses, net, parallelism, mean, total)
         if way == "ddp":
             for p in net.parameters():
                 p.grad = _average(p.grad) if p.grad is not None else _average(torch.zeros_like(p))

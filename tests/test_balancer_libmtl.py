@@ -368,3 +368,110 @@ def test_stch_libmtls_nadir_resumes_from_the_checkpointed_state():
     net.load_state_dict(saved["net"]), again.load_state_dict(saved["balancer"])
     resumed, _ = _stch_ours(range(2, EPOCHS), net, again)
     assert _largest_difference(resumed, straight) == 0.0
+
+
+# --- SDMGrad and MoDo: three draws a step (LibMTL's trainer.py 256: three batches for these two) ---------------------
+
+
+def _three_draws(net: Net, x: torch.Tensor, y: torch.Tensor) -> list[list[torch.Tensor]]:
+    """The batch in three parts (the recipe's `MultiTaskRecipe.draws`: ``torch.tensor_split``), each part's losses."""
+    return [_losses(net, xs, ys)[1] for xs, ys in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3))]
+
+
+def _libmtl_draws(method: str) -> Net:
+    """LibMTL's SDMGrad.py 23-60 (SDMGrad_lamda 0.3, SDMGrad_niter 20; its inner SGD lr 5, momentum 0.5) and MoDo.py
+    22-60 (MoDo_gamma 1e-3, MoDo_rho 0.1), as its Trainer runs them on three draws: ``_get_grads(losses[i],
+    mode='backward')`` for each (the heads accumulate every draw's gradient), the rule, ``_reset_grad``. Its weights
+    start in the gradients' dtype here (LibMTL's ``torch.ones`` is float32, which ``torch.mv`` refuses beside float64
+    gradients)."""
+    import numpy as np
+
+    net, (x, y) = Net().double(), _data()
+    lib = _LibMTL(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    state = torch.full((K,), 1 / K, dtype=torch.float64)  # SDMGrad's w, MoDo's lambd (init_param)
+
+    def euclidean_proj_simplex(v, s=1):  # SDMGrad.py 26-36
+        v = v.astype(np.float64)
+        (n,) = v.shape
+        if v.sum() == s and np.all(v >= 0):
+            return v
+        u = np.sort(v)[::-1]
+        cssv = np.cumsum(u)
+        rho = np.nonzero(u * np.arange(1, n + 1) > (cssv - s))[0][-1]
+        theta = float(cssv[rho] - s) / (rho + 1)
+        return (v - theta).clip(min=0)
+
+    def projection2simplex(y):  # MoDo.py 25-35
+        m = len(y)
+        sorted_y = torch.sort(y, descending=True)[0]
+        tmpsum = 0.0
+        tmax_f = (torch.sum(y) - 1.0) / m
+        for i in range(m - 1):
+            tmpsum += sorted_y[i]
+            tmax = (tmpsum - 1) / (i + 1.0)
+            if tmax > sorted_y[i + 1]:
+                tmax_f = tmax
+                break
+        return torch.max(y - tmax_f, torch.zeros(m, dtype=y.dtype))
+
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        losses = [torch.stack(draw) * base for draw in _three_draws(net, x, y)]
+        grads = [lib.compute_grad(losses[i], retain_last=True) for i in range(3)]
+        if method == "sdmgrad":
+            lamda, niter = 0.3, 20
+            zeta_grads, xi_grads1, xi_grads2 = grads
+            GG = torch.mm(xi_grads1, xi_grads2.t())
+            GG_diag = torch.diag(GG)
+            GG_diag = torch.where(GG_diag < 0, torch.zeros_like(GG_diag), GG_diag)
+            scale = torch.mean(torch.sqrt(GG_diag))
+            GG = GG / (scale.pow(2) + 1e-8)
+            Gg = torch.mean(GG, dim=1)
+            w = state.clone().requires_grad_(True)
+            inner = torch.optim.SGD([w], lr=5, momentum=0.5)
+            for _ in range(niter):
+                inner.zero_grad()
+                w.grad = torch.mv(GG, w.detach()) + lamda * Gg
+                inner.step()
+                w.data.copy_(torch.from_numpy(euclidean_proj_simplex(w.data.cpu().numpy())).data)
+            state = w.detach()
+            g0 = torch.mean(zeta_grads, dim=0)
+            gw = (zeta_grads * state.view(-1, 1)).sum(0)
+            lib.reset_grad((gw + lamda * g0) / (1 + lamda))
+        else:
+            gamma, rho = 1e-3, 0.1
+            stacked = torch.stack(grads)
+            for head in net.heads:  # MoDo.py 52-55: the decoders' gradients of the three draws, averaged
+                for p in head.parameters():
+                    p.grad.data = p.grad.data / 3
+            state = projection2simplex(
+                state - gamma * (stacked[0] @ (torch.transpose(stacked[1], 0, 1) @ state) + rho * state)
+            )
+            lib.reset_grad(sum(state[i] * stacked[2][i] for i in range(K)))
+        optimizer.step()
+    return net
+
+
+def _ours_draws(method: str) -> Net:
+    from multiloss.balancers.build import build_balancer
+    from multiloss.testing import balancer_backward
+    from tests.test_balancer_parity import _spec
+
+    net, (x, y) = Net().double(), _data()
+    balancer = build_balancer(_spec(method), TASKS, BASE, net, "model.balancer").double()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        balancer_backward(balancer, [dict(zip(TASKS, draw)) for draw in _three_draws(net, x, y)], net)
+        optimizer.step()
+    return net
+
+
+@pytest.mark.parametrize("method", ["sdmgrad", "modo"])
+def test_sdmgrad_and_modo_are_libmtls_code_on_three_draws(method):
+    ours, reference = _ours_draws(method), _libmtl_draws(method)
+    worst = _largest_difference(ours, reference)
+    print(f"{method}: largest weight difference to LibMTL {worst:.2g}")
+    assert _changed(ours) and worst <= 1e-6

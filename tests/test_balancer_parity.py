@@ -203,10 +203,12 @@ class _LibMTL:
         self.grad_index = [p.numel() for p in net.trunk.parameters()]
         self.grad_dim = sum(self.grad_index)
 
-    def compute_grad(self, losses: list[torch.Tensor]) -> torch.Tensor:
+    def compute_grad(self, losses: list[torch.Tensor], retain_last: bool = False) -> torch.Tensor:
+        """``retain_last``: every backward keeps the graph (MoDo's and SDMGrad's, abstract_weighting.py 45-46)."""
         grads = torch.zeros(self.task_num, self.grad_dim, dtype=torch.float64)
         for tn in range(self.task_num):
-            losses[tn].backward(retain_graph=True) if (tn + 1) != self.task_num else losses[tn].backward()
+            keep = retain_last or (tn + 1) != self.task_num
+            losses[tn].backward(retain_graph=True) if keep else losses[tn].backward()
             grads[tn] = torch.cat([p.grad.view(-1) for p in self.net.trunk.parameters()])
             for p in self.net.trunk.parameters():  # zero_grad_share_params
                 p.grad.zero_()
@@ -342,6 +344,7 @@ GRAMIAN = [
 NEEDS_GRADIENTS = ["nash_mtl", "graddrop", "config", "excess_mtl", "db_mtl", "moco"]
 LOSS_BASED = ["uncertainty", "dwa", "gls", "rlw", "stch", "famo", "imtl_l", "db_mtl_loss"]
 REP_GRAD = [*GRAMIAN, "nash_mtl", "excess_mtl", "graddrop"]  # every rule on the representation
+DRAWS = ["sdmgrad", "modo"]  # three draws a step
 
 
 def _spec(name: str, *overrides: str) -> dict:
@@ -370,6 +373,8 @@ def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
         methods[f"{name}@rank"] = {"spec": _spec(name), "ways": ["fsdp_rank_vs_ddp"]}
     for name in NEEDS_GRADIENTS:
         methods[name] = {"spec": _spec(name, "model.balancer.scope=global"), "ways": ["ddp"]}
+        methods[f"{name}@rank"] = {"spec": _spec(name), "ways": ["fsdp_rank_vs_ddp"]}
+    for name in DRAWS:  # each rank's own three draws: FSDP2 held whole against DDP
         methods[f"{name}@rank"] = {"spec": _spec(name), "ways": ["fsdp_rank_vs_ddp"]}
     for name in LOSS_BASED:
         methods[name] = {"spec": _spec(name), "ways": ["ddp", "fsdp_global"]}

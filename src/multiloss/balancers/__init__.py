@@ -10,6 +10,7 @@ weight of 0 keeps a task off whatever the balancer. Its parameters are in the re
 its state in the checkpoint: a resumed run continues exactly.
 """
 
+from multiloss.balancers.double_sampling import MoDo, SDMGrad
 from multiloss.balancers.gradients import (
     IMTL,
     GradNorm,
@@ -37,7 +38,9 @@ __all__ = [
     "JacobianDescent",
     "LogSum",
     "MoCo",
+    "MoDo",
     "PCGrad",
+    "SDMGrad",
     "Scalarized",
     "StatefulJacobianDescent",
     "Uncertainty",

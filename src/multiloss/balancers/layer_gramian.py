@@ -56,6 +56,25 @@ class _Segment:
     wanted: list[nn.Parameter]  # the rest: their K gradients taken
 
 
+def each_task(losses: torch.Tensor, inputs: list) -> tuple[torch.Tensor | None, ...]:
+    """The K gradients of ``inputs`` (tensors or graph edges), one task's backward at a time into one K × shape
+    tensor per input: above the representation each loss reaches its own head only, where a backward vectorised
+    over the tasks would run every head for every task (K² heads' work)."""
+    if not inputs:
+        return ()
+    rows: list[torch.Tensor | None] = [None] * len(inputs)
+    k = len(losses)
+    for task in range(k):
+        grads = torch.autograd.grad(losses[task], inputs, retain_graph=True, allow_unused=True)
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if rows[i] is None:
+                rows[i] = g.new_zeros(k, *g.shape)
+            rows[i][task] = g
+    return tuple(rows)
+
+
 def _cheapest_switch(plan: list[_Segment], cuts: list[_Cut], k: int) -> tuple[int, int]:
     """Where to stop carrying the K gradients of the boundaries and take the rest task by task, holding the least:
     (the first segment taken task by task — ``len(plan)``: none —, the numbers held at the peak).
@@ -163,10 +182,9 @@ class LayerGramian:
                 + "; or set model.balancer.rep_grad=null (the rule on the shared parameters' gradients)"
             )
         rep = kept[0]
-        eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
-        (per_task,) = torch.autograd.grad(
-            losses, [cuts[boundaries[0]].edge], grad_outputs=eye, is_grads_batched=True, retain_graph=True
-        )
+        (per_task,) = each_task(losses, [cuts[boundaries[0]].edge])
+        if per_task is None:
+            per_task = torch.zeros(len(losses), *rep.shape, dtype=rep.dtype, device=rep.device)
         self.steps += 1
         return rep, per_task, " / ".join(names)
 
@@ -241,14 +259,21 @@ class LayerGramian:
         ``gramian``, and the K gradients of its bottom boundary returned (None at the graph's end)."""
         k = len(delta)
         inputs = ([cuts[segment.bottom].edge] if segment.bottom is not None else []) + segment.wanted
-        outputs = losses if segment.top is None else cuts[segment.top].edge
-        grads = (
-            torch.autograd.grad(
-                outputs, inputs, grad_outputs=delta, is_grads_batched=True, retain_graph=True, allow_unused=True
+        if segment.top is None:  # from the losses: each through its own head (vectorised, K × K heads' work)
+            grads = each_task(losses, inputs)
+        else:
+            grads = (
+                torch.autograd.grad(
+                    cuts[segment.top].edge,
+                    inputs,
+                    grad_outputs=delta,
+                    is_grads_batched=True,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                if inputs
+                else ()
             )
-            if inputs
-            else ()
-        )
         for module, x, shape in segment.by_rows:
             gramian += _rows_gramian(module, x, delta.reshape(k, *shape), chosen, gramian.dtype)
         for g in grads[len(inputs) - len(segment.wanted) :]:

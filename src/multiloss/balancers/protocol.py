@@ -38,6 +38,7 @@ class Balancer(nn.Module):
     combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
     shared: list[str] | None = None  # the names of the layers its rule works on (None: found)
     after_step_update = False  # True: it learns from the step's losses recomputed after the step (`after_step`)
+    batches_per_step = 1  # > 1: its rule sees that many independent draws of each batch (SDMGrad, MoDo: 3)
     weights_set_by_rule = False  # True: its gradient rule updates the weights it reports (MoCo's λ): read after it
 
     def release(self) -> None:
@@ -174,9 +175,21 @@ def shared_parameters(balancer: Balancer, net: nn.Module) -> list[nn.Parameter] 
     return None if balancer.shared is None else select_parameters(net, balancer.shared)
 
 
+def _balance_draws(
+    balancer: Balancer, draws: list[Mapping[str, torch.Tensor]], net: nn.Module, shared: list | None
+) -> Balanced:
+    """`balance` of a rule on several draws: their losses' mean is what is logged, the rule's surrogate what is
+    backwarded (each rank's own draws; under FSDP2 the net held whole for the step, as any ``scope=rank`` rule)."""
+    stacked = torch.stack([torch.stack(list(d.values())) for d in draws]).mean(0)
+    weights = balancer.weights(stacked.detach())
+    balanced = Balanced(stacked, weights, None, None, (weights.to(stacked.dtype) * stacked).sum())
+    balanced.surrogate = balancer.draw_surrogate([list(d.values()) for d in draws], list(net.parameters()), shared)
+    return balanced
+
+
 def balance(
     balancer: Balancer,
-    losses: Mapping[str, torch.Tensor],
+    losses: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
     net: nn.Module,
     parallelism: Any,
     epoch: int,
@@ -190,6 +203,8 @@ def balance(
     written into the shards' ``.grad`` by `multiloss.balancers.sharded_rule` through ``backward`` (the recipe's
     ``manual_backward``)."""
     balancer.start_epoch(epoch, mean_over_ranks)
+    if not isinstance(losses, Mapping):  # several independent draws of the batch (SDMGrad, MoDo): the rule sees each
+        return _balance_draws(balancer, list(losses), net, shared_parameters(balancer, net))
     stacked = torch.stack(list(losses.values()))
     weights = balancer.weights(stacked.detach())
     extra = balancer.extra(stacked)

@@ -24,6 +24,7 @@ from multiloss.balancers.protocol import save_balancer_state, shared_parameters
 from multiloss.balancers.resume_check import check_saved_balancer
 from multiloss.base.module import Recipe
 from multiloss.components import to_plain
+from multiloss.config import ConfigError, require
 from multiloss.saving.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY, is_sharded_checkpoint
 
 
@@ -57,6 +58,40 @@ class MultiTaskRecipe(Recipe):
         observed = any(isinstance(c, TaskLossObserver) for c in trainer.callbacks)
         return ("net",) if rule_on_each_rank(self.balancer_spec) or observed else ()
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            self._check_draws(self.trainer)
+
+    def _check_draws(self, trainer: L.Trainer) -> None:
+        """A balancer that splits each batch into draws (SDMGrad, MoDo) needs a batch of at least that many examples,
+        and no smaller last batch: refused here, before any step or write."""
+        from hydra.utils import get_class
+
+        target = self.balancer_spec.get("_target_") if isinstance(self.balancer_spec, dict) else None
+        parts = getattr(self.balancer, "batches_per_step", None) or (
+            getattr(get_class(target), "batches_per_step", 1) if isinstance(target, str) else 1
+        )
+        data = getattr(trainer, "datamodule", None)
+        size, drop_last = getattr(data, "batch_size", None), getattr(data, "drop_last", True)
+        if parts > 1 and isinstance(size, int):
+            require(
+                size >= parts,
+                "data.batch_size",
+                size,
+                f"{parts} or more: model.balancer splits each batch into {parts} draws",
+            )
+            train_set = getattr(data, "train_set", None)
+            if not drop_last and train_set is not None:
+                last = len(train_set) // max(trainer.world_size, 1) % size
+                require(
+                    last == 0 or last >= parts,
+                    "data.drop_last",
+                    drop_last,
+                    f"true: an epoch's last batch holds {last} example(s) on each rank, fewer than the {parts} draws "
+                    "model.balancer splits each batch into",
+                )
+
     def check_sharding(self, trainer: L.Trainer) -> None:
         super().check_sharding(trainer)
         check_sharded_balancer(self.balancer_spec, self.accumulate_grad_batches)
@@ -82,12 +117,33 @@ class MultiTaskRecipe(Recipe):
         if self.balancer is None:
             self.balancer = build_balancer(self.balancer_spec, names, self.configured_weights(names), self.net, key)
 
-    def balance(self, losses: dict[str, torch.Tensor]) -> Balanced:
-        """This step's ``losses`` shown to the observers, weighed (`multiloss.balancers.balance`), weights logged."""
+    def draws(
+        self, batch: dict[str, torch.Tensor], losses_of: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        """The task losses ``losses_of`` gives for ``batch``; for a balancer that sees several independent draws a
+        step (SDMGrad, MoDo: ``batches_per_step`` 3, LibMTL's three batches), the batch split into that many equal
+        parts along its first dimension, each part's losses (a mean over its own examples)."""
+        parts = getattr(self.balancer, "batches_per_step", 1)
+        if parts == 1:
+            return losses_of(batch)
+        size = len(next(iter(batch.values())))
+        if size < parts:
+            raise ConfigError(
+                "data.batch_size",
+                size,
+                f"at least {parts} examples a batch (model.balancer draws {parts} parts of each), and "
+                "data.drop_last=true where an epoch's last batch is smaller",
+            )
+        split = {key: torch.tensor_split(value, parts) for key, value in batch.items()}
+        return [losses_of({key: chunks[i] for key, chunks in split.items()}) for i in range(parts)]
+
+    def balance(self, losses: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]) -> Balanced:
+        """This step's ``losses`` (a list: one per draw) shown to the observers (their mean), weighed
+        (`multiloss.balancers.balance`), weights logged."""
         if self._observers is None:
             self._observers = [c for c in self.trainer.callbacks if isinstance(c, TaskLossObserver)]
         for observer in self._observers:
-            observer.observe_task_losses(self.trainer, self, losses)
+            observer.observe_task_losses(self.trainer, self, mean_losses(losses))
         balancer = self.balancer
         assert balancer is not None, "set_tasks runs in the component check, before the first step"
         balanced = balance(
@@ -101,7 +157,7 @@ class MultiTaskRecipe(Recipe):
             self.manual_backward,
         )
         if balancer.adaptive:
-            self.log_train_values(tuple(f"weight/{name}" for name in losses), balanced.weights)
+            self.log_train_values(tuple(f"weight/{name}" for name in mean_losses(losses)), balanced.weights)
         return balanced
 
     def after_step(self, step: Any, recompute: Callable[[], dict[str, torch.Tensor]]) -> None:
@@ -156,3 +212,10 @@ def saved_task_names(checkpoint: dict[str, Any]) -> list[str]:
     if names := checkpoint.get(TASKS_KEY):
         return list(names)
     return [f"head{i}" for i in range(int(checkpoint.get(OLD_HEAD_COUNT_KEY, 0)))]
+
+
+def mean_losses(losses: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The task losses of a step, or the mean over its draws (`MultiTaskRecipe.draws`) of each task's."""
+    if isinstance(losses, dict):
+        return losses
+    return {name: torch.stack([draw[name] for draw in losses]).mean() for name in losses[0]}
