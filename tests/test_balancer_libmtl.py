@@ -475,3 +475,45 @@ def test_sdmgrad_and_modo_are_libmtls_code_on_three_draws(method):
     worst = _largest_difference(ours, reference)
     print(f"{method}: largest weight difference to LibMTL {worst:.2g}")
     assert _changed(ours) and worst <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["sdmgrad", "modo"])
+def test_three_draw_rules_train_the_recipes_and_resume_exactly(tmp_path, name):
+    """``recipe=weighted balancer=<m>`` (and multihead) through the real Trainer: the batch split in three draws each
+    step, the weighting's state in the checkpoint — 2 + 2 steps resumed equal 4 straight, to the bit."""
+    from multiloss import testing, train
+    from tests.conftest import QUIET
+
+    short = (*QUIET, "~callbacks.loss_curves", "trainer=cpu", "trainer.num_sanity_val_steps=0")
+    runs = {}
+    for recipe in ("weighted", "multihead"):
+        common = (f"recipe={recipe}", f"balancer={name}")
+        straight, split = tmp_path / recipe / "straight", tmp_path / recipe / "split"
+        train(testing.compose(*short, *common, "trainer.max_steps=4", output_dir=straight))
+        train(testing.compose(*short, *common, "trainer.max_steps=2", output_dir=split))
+        last = split / "checkpoints/last.ckpt"
+        train(testing.compose(*short, *common, "trainer.max_steps=4", f"ckpt_path={last}", output_dir=split))
+        a, b = (torch.load(d / "checkpoints/last.ckpt", weights_only=False)["state_dict"] for d in (straight, split))
+        floats = [k for k, v in a.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        runs[recipe] = max(float((a[k] - b[k]).abs().max()) for k in floats)
+    assert runs == {"weighted": 0.0, "multihead": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (("data.batch_size=2",), "data.batch_size"),
+        (("data.batch_size=1436", "data.val_fraction=0.2"), "data.drop_last"),
+    ],
+)
+def test_a_batch_too_small_for_three_draws_is_refused_before_anything_is_written(tmp_path, overrides, key):
+    from multiloss import testing, train
+    from multiloss.config import ConfigError
+    from tests.conftest import QUIET
+
+    out = tmp_path / "run"
+    cfg = testing.compose(*QUIET, "trainer=cpu", "recipe=weighted", "balancer=sdmgrad", *overrides, output_dir=out)
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    assert err.value.key == key
+    assert not (out / "checkpoints").exists() and not (out / "csv").exists()

@@ -233,7 +233,7 @@ class JacobianDescent(GradientBalancer):
         weights = self.aggregator.weighting(matrix).to(per_task.dtype)
         alpha = self.shared_factor * weights
         own = alpha if self.heads_weighted else ones
-        return (alpha.view(-1, *[1] * (per_task.dim() - 1)) * per_task).sum(0), own, None
+        return alpha, own, None
 
     @staticmethod
     def check_sharded_rule(spec: dict[str, Any]) -> None:

@@ -409,10 +409,14 @@ class GradientBalancer(Balancer):
             if self.scope == "global" and self._mean_over_ranks is not None:
                 ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
                 gramian = self._mean_over_ranks(gramian) / ranks
-        direction, own, extra = self.representation_rule(matrix, gramian, per_task, rep, losses)
+        combination, own, extra = self.representation_rule(matrix, gramian, per_task, rep, losses)
         own = own.to(stacked.dtype).detach()
-        kept = (own.view(-1, *[1] * (per_task.dim() - 1)).to(per_task.dtype) * per_task).sum(0)
-        total = (own * stacked).sum() + (rep * (direction.to(rep.dtype) - kept.to(rep.dtype)).detach()).sum()
+        flat = per_task.reshape(k, -1)
+        if combination.dim() == 1:  # coefficients αᵢ: D − Σβᵢ∇_Z Lᵢ = Σ(αᵢ − βᵢ)∇_Z Lᵢ, one pass over the K gradients
+            change = ((combination.to(flat.dtype) - own.to(flat.dtype)) @ flat).view_as(rep)
+        else:  # the combined gradient D itself (GradDrop's)
+            change = combination.to(flat.dtype) - (own.to(flat.dtype) @ flat).view_as(rep)
+        total = (own * stacked).sum() + (rep * change.to(rep.dtype).detach()).sum()
         return total if extra is None else total + extra
 
     def check_rep_grad(self, rep_grad: str, scope: str) -> None:
@@ -432,14 +436,14 @@ class GradientBalancer(Balancer):
         rep: torch.Tensor,
         losses: Sequence[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The rule on the representation's gradients: (D, the heads' coefficients β, the balancer's own term). A
-        Gramian rule's coefficients α on ``matrix``'s Gramian (``gramian`` where given: the samples')."""
+        """The rule on the representation's gradients: (its coefficients α of the K gradients of Z — or, a tensor
+        shaped as Z, the combined gradient D itself —, the heads' coefficients β, the balancer's own term). A Gramian
+        rule's coefficients α on ``matrix``'s Gramian (``gramian`` where given: the samples')."""
         if gramian is None:
             wide = matrix.double() if matrix.dtype == torch.float64 else matrix.float()
             gramian = wide @ wide.T
         rule = self.gramian_rule(gramian, losses)
-        alpha = rule.shared.to(per_task.dtype).view(-1, *[1] * (per_task.dim() - 1))
-        return (alpha * per_task).sum(0), rule.own, rule.extra
+        return rule.shared, rule.own, rule.extra
 
     def rule_losses(self, losses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The losses whose gradients the rule combines: cᵢ·Lᵢ (IMTL: its learned scales too)."""
