@@ -244,3 +244,102 @@ def test_rep_grad_trains_the_recipe_and_costs_no_parameter_gradient(tmp_path, na
     )
     floats = [k for k, v in straight.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     assert floats and max(float((straight[k] - split[k]).abs().max()) for k in floats) == 0.0
+
+
+# --- GradNorm as LibMTL writes it (convention=libmtl), on the parameters and on the representation ------------------
+
+EPOCHS, PER_EPOCH = 3, 5
+
+
+def _libmtl_gradnorm(rep_grad: bool) -> Net:
+    """LibMTL/weighting/GradNorm.py 21-50 (alpha 1.5) as its Trainer runs it: ``loss_scale`` in the optimizer, its
+    epochs (``self.epoch``), ``train_loss_buffer[:, 0]`` the first epoch's mean losses (trainer.py 286: the meter's
+    average; equal batches here), the heads' own gradients from ``_compute_grad``; on the parameters
+    (``_backward_new_grads(grads=...)``) or the representation (``rep_grad=True``). One line differs, marked: with
+    ``rep_grad`` LibMTL's first epoch backwards ``losses.sum()`` into the heads' detached copies of the representation
+    only, so its encoder does not train for that epoch; here it gets the copies' summed gradient (weight 1)."""
+    net, (x, y) = Net().double(), _data()
+    loss_scale = torch.nn.Parameter(torch.tensor([1.0] * K, dtype=torch.float64))  # init_param
+    optimizer = torch.optim.SGD([*net.parameters(), loss_scale], lr=LR)
+    base = torch.tensor(BASE, dtype=torch.float64)
+    train_loss_buffer = torch.zeros(K, EPOCHS, dtype=torch.float64)
+    alpha = 1.5
+    for epoch in range(EPOCHS):
+        epoch_losses = []
+        for _ in range(PER_EPOCH):
+            optimizer.zero_grad()
+            rep = net.trunk(x)
+            inputs = [rep.detach().clone().requires_grad_(True) for _ in TASKS] if rep_grad else [rep] * K
+            losses = torch.stack(
+                [
+                    F.mse_loss(head(r).squeeze(-1), y[:, i]) * (i + 1)
+                    for i, (head, r) in enumerate(zip(net.heads, inputs))
+                ]
+            )
+            losses = losses * base
+            epoch_losses.append(losses.detach())
+            if epoch >= 1:
+                scale = K * F.softmax(loss_scale, dim=-1)
+                if rep_grad:  # _compute_grad(rep_grad=True) and _get_grads' batch sum
+                    per_grads = torch.zeros(K, *rep.size(), dtype=rep.dtype)
+                    for tn in range(K):
+                        losses[tn].backward(retain_graph=True)
+                        per_grads[tn] = inputs[tn].grad.data.clone()
+                    grads = per_grads.reshape(K, rep.size()[0], -1).sum(1)
+                else:  # _compute_grad(mode='backward'): each task's shared gradient, the heads accumulating
+                    grads = torch.zeros(K, sum(p.numel() for p in net.trunk.parameters()), dtype=torch.float64)
+                    for tn in range(K):
+                        losses[tn].backward(retain_graph=True)
+                        grads[tn] = torch.cat([p.grad.view(-1) for p in net.trunk.parameters()])
+                        for p in net.trunk.parameters():
+                            p.grad.zero_()
+                G_per_loss = torch.norm(scale.unsqueeze(1) * grads, p=2, dim=-1)
+                G = G_per_loss.mean(0)
+                L_i = torch.tensor([losses[tn].item() / train_loss_buffer[tn, 0] for tn in range(K)])
+                r_i = L_i / L_i.mean()
+                constant_term = (G * (r_i**alpha)).detach()
+                L_grad = (G_per_loss - constant_term).abs().sum(0)
+                L_grad.backward()
+                weight = scale.detach().clone()
+                if rep_grad:
+                    rep.backward(sum(weight[i] * per_grads[i] for i in range(K)))
+                else:
+                    new = sum(weight[i] * grads[i] for i in range(K))
+                    offset = 0
+                    for p in net.trunk.parameters():
+                        p.grad.data = new[offset : offset + p.numel()].view(p.size()).clone()
+                        offset += p.numel()
+            else:
+                losses.sum().backward()
+                if rep_grad:  # LibMTL's first epoch stops at the detached copies: the encoder would not train
+                    rep.backward(sum(r.grad for r in inputs))  # the one line that differs (docs/balancers.md)
+            optimizer.step()
+        train_loss_buffer[:, epoch] = torch.stack(epoch_losses).mean(0)
+    return net
+
+
+def _ours_gradnorm(rep_grad: bool, gramian: str = "layers") -> Net:
+    from multiloss.balancers.build import build_balancer
+    from multiloss.testing import balancer_backward
+    from tests.test_balancer_parity import _losses, _spec
+
+    extra = ["model.balancer.rep_grad=batch"] if rep_grad else [f"model.balancer.gramian={gramian}"]
+    spec = _spec("gradnorm", "model.balancer.convention=libmtl", *extra)
+    net, (x, y) = Net().double(), _data()
+    balancer = build_balancer(spec, TASKS, BASE, net, "model.balancer").double()
+    optimizer = torch.optim.SGD([*net.parameters(), *balancer.parameters()], lr=LR)
+    for epoch in range(EPOCHS):
+        for _ in range(PER_EPOCH):
+            optimizer.zero_grad()
+            balancer_backward(balancer, dict(zip(TASKS, _losses(net, x, y)[1])), net, epoch=epoch)
+            optimizer.step()
+    return net
+
+
+@pytest.mark.parametrize("way", ["rep_grad", "layers", "gradients"])
+def test_gradnorm_convention_libmtl_is_libmtls_gradnorm(way):
+    ours = _ours_gradnorm(way == "rep_grad", "gradients" if way == "gradients" else "layers")
+    reference = _libmtl_gradnorm(way == "rep_grad")
+    worst = _largest_difference(ours, reference)
+    print(f"gradnorm ({way}): largest weight difference to LibMTL {worst:.2g}")
+    assert _changed(ours) and worst <= 1e-6

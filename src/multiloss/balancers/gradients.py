@@ -400,27 +400,81 @@ class GradNorm(GradientBalancer):
         scope: str = "rank",
         gramian: str = "layers",
         rep_grad: str | None = None,
+        convention: str = "paper",
     ) -> None:
         super().__init__(tasks, base, shared, net, scope, gramian, rep_grad)
         require(0 <= alpha < math.inf, "alpha", alpha, "a number ≥ 0 (the paper's 0.12 to 3)")
         require(0 < min_weight < 1, "min_weight", min_weight, "a number in (0, 1): the least weight a task keeps")
-        self.alpha, self.min_weight = float(alpha), float(min_weight)
+        require(
+            convention in ("paper", "libmtl"),
+            "convention",
+            convention,
+            "paper (the paper's GradNorm) or libmtl (LibMTL's GradNorm.py: docs/balancers.md)",
+        )
+        self.alpha, self.min_weight, self.convention = float(alpha), float(min_weight), convention
         self.task_weight = nn.Parameter(torch.ones(len(self.tasks)))
         self.initial_losses = torch.full((len(self.tasks),), math.nan)  # extra state: not broadcast by DDP
+        # convention=libmtl: the first epoch's mean losses (LibMTL's train_loss_buffer[:, 0]), summed as it runs.
+        self.first_epoch_sum, self.first_epoch_steps, self.epoch = torch.zeros(len(self.tasks)), 0, 0
+
+    def start_epoch(self, epoch: int, reduce: Any) -> None:
+        super().start_epoch(epoch, reduce)
+        self.epoch = epoch
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
+        if self.convention == "libmtl":
+            return self._libmtl_weights(losses)
         with torch.no_grad():  # positive, then the paper's renormalisation: Σ wᵢ = K after every update
             self.task_weight.clamp_(min=self.min_weight)
             self.task_weight.mul_(len(self.tasks) / self.task_weight.sum())
         return self.base * self.task_weight.detach()
 
+    def _libmtl_weights(self, losses: torch.Tensor) -> torch.Tensor:
+        """LibMTL's GradNorm (``GradNorm.py`` 24-50 at 4336804): weight 1 through the first epoch (whose losses are
+        averaged: ``train_loss_buffer[:, 0]``), then K·softmax(s) of its parameters s."""
+        if self.epoch == 0:
+            values = (self.base * losses.detach().float()).to(self.first_epoch_sum.device)
+            if self.scope == "global" and self._mean_over_ranks is not None:
+                values = self._mean_over_ranks(values)
+            self.first_epoch_sum, self.first_epoch_steps = (
+                self.first_epoch_sum + values.cpu(),
+                self.first_epoch_steps + 1,
+            )
+            return self.base
+        return self.base * self._libmtl_scale().detach()
+
+    def _libmtl_scale(self) -> torch.Tensor:
+        return len(self.tasks) * torch.softmax(self.task_weight, dim=-1)
+
+    def _libmtl_rule(self, norms: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        """LibMTL's: the shared layers get Σ wᵢ·gᵢ, the heads their own gradient; s the gradient of
+        Σᵢ |wᵢ‖gᵢ‖ − Ḡ·rᵢ^α| (the target held constant) through w = K·softmax(s), from the second epoch."""
+        ones = torch.ones(len(self.tasks), dtype=norms.dtype, device=norms.device)
+        if self.epoch == 0:
+            return GramianRule(ones, ones)
+        scale = self._libmtl_scale()
+        values = self.base * torch.stack([loss.detach().float() for loss in losses]).to(self.base.device)
+        if self.scope == "global" and self._mean_over_ranks is not None:
+            values = self._mean_over_ranks(values)
+        first = (self.first_epoch_sum / max(self.first_epoch_steps, 1)).to(values.device)
+        ratio = (values / first).to(norms.device)
+        per_loss = scale * norms.detach().to(scale.dtype)
+        target = (per_loss.mean() * (ratio / ratio.mean()) ** self.alpha).detach()
+        return GramianRule(scale.detach().to(norms.dtype), ones, (per_loss - target.to(per_loss.dtype)).abs().sum())
+
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.convention == "libmtl":
+            rule = self._libmtl_rule(grads.vectors.norm(dim=1), losses)
+            surrogate = gradient_surrogate(grads, rule.shared.to(grads.vectors.dtype) @ grads.vectors)
+            return surrogate if rule.extra is None else surrogate + rule.extra
         own = self._own_term(grads.vectors.float().norm(dim=1), losses)  # ‖∇_W cᵢLᵢ‖
         weighted = grads.scaled(self.task_weight.detach())
         # The net's gradient Σ wᵢ·∇(cᵢLᵢ), and the weights' own: the gradient of their loss, target held constant.
         return gradient_surrogate(weighted, weighted.vectors.sum(0)) + own
 
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
+        if self.convention == "libmtl":
+            return self._libmtl_rule(gramian.diagonal().clamp_min(0).sqrt(), losses)
         own = self._own_term(gramian.diagonal().float().clamp_min(0).sqrt(), losses)
         w = self.task_weight.detach().to(gramian.dtype)
         return GramianRule(w, w, own)
@@ -443,7 +497,14 @@ class GradNorm(GradientBalancer):
         return (self.task_weight * weight_grad.to(self.task_weight.dtype).detach()).sum()
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
-        return {"initial_losses": self.initial_losses.cpu()}
+        return {
+            "initial_losses": self.initial_losses.cpu(),
+            "first_epoch_sum": self.first_epoch_sum.clone(),
+            "first_epoch_steps": torch.tensor(self.first_epoch_steps),
+        }
 
     def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.initial_losses = state["initial_losses"].clone()
+        if "first_epoch_sum" in state:  # checkpoints before convention=libmtl have none
+            self.first_epoch_sum = state["first_epoch_sum"].clone()
+            self.first_epoch_steps = int(state["first_epoch_steps"])
