@@ -351,7 +351,7 @@ class _CutGraph:
                     stack.append(j)
         return found
 
-    def _parameters(self, cuts: set[int]) -> set[int]:
+    def _parameters_of(self, cuts: set[int]) -> set[int]:
         return set().union(*(self.own[c] for c in cuts)) if cuts else set()
 
     def boundaries(self) -> list[int]:
@@ -362,18 +362,18 @@ class _CutGraph:
             above = self._closure(-1, avoid=d)
             if any(c < d for c in above - {-1}):  # a path to an earlier cut around d
                 continue
-            if not (self._parameters(above) & self._parameters(self._closure(d))):
+            if not (self._parameters_of(above) & self._parameters_of(self._closure(d))):
                 found.append(d)
         return found
 
     def only_from(self, top: int, bottom: int | None) -> set[int]:
         """The parameters ``top`` reaches before any cut that no other cut of its segment reaches."""
         others = self._closure(top, avoid=bottom) - {top}
-        return self.own[top] - self._parameters(others)
+        return self.own[top] - self._parameters_of(others)
 
     def segment_parameters(self, top: int | None, bottom: int | None) -> list[nn.Parameter]:
         """The parameters reached from ``top`` (None: the losses) before ``bottom`` (None: to the graph's end)."""
-        hit = self._parameters(self._closure(-1 if top is None else top, avoid=bottom))
+        hit = self._parameters_of(self._closure(-1 if top is None else top, avoid=bottom))
         return [p for i, p in self.params.items() if i in hit]
 
 
