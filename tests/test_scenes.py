@@ -1,0 +1,119 @@
+"""The dense scenes (`multiloss.data.scenes`): every pixel's depth and normal are the analytic ones of the surface its
+ray meets first, checked against an independent ray-sphere solve here; the scenes are LibMTL's NYUv2 layout and the
+samples data module serves them as it serves NYUv2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from multiloss.data import scenes
+from multiloss.data.samples import SamplesDataModule
+
+
+@pytest.fixture(scope="module")
+def scene() -> scenes.Scene:
+    return scenes.render(np.random.default_rng([7, 0, 3]), 48)
+
+
+def _points(scene: scenes.Scene) -> tuple[np.ndarray, np.ndarray]:
+    """Each pixel's ray and the 3-D point its depth puts on it (depth is the hit's z: t = depth / d_z)."""
+    d = scenes.rays(scene.depth.shape[0])
+    return d, d * (scene.depth[..., 0:1] / d[..., 2:3])
+
+
+def test_floor_and_wall_pixels_lie_on_their_planes_with_their_normals(scene):
+    _, p = _points(scene)
+    floor, wall = scene.label == 0, scene.label == 1
+    assert floor.sum() > 100 and wall.sum() > 100
+    np.testing.assert_allclose(p[floor][:, 1], scenes.FLOOR_Y, rtol=1e-5)
+    np.testing.assert_allclose(p[wall][:, 2], scenes.WALL_Z, rtol=1e-5)
+    assert np.all(p[wall][:, 1] >= scenes.WALL_TOP - 1e-4)
+    np.testing.assert_allclose(scene.normal[floor], np.broadcast_to([0, -1, 0], (floor.sum(), 3)), atol=1e-7)
+    np.testing.assert_allclose(scene.normal[wall], np.broadcast_to([0, 0, -1], (wall.sum(), 3)), atol=1e-7)
+
+
+def test_sphere_pixels_lie_on_their_sphere_with_the_radial_normal(scene):
+    _, p = _points(scene)
+    checked = 0
+    for sphere in scene.spheres:
+        on = (scene.label == sphere.label) & (
+            np.abs(np.linalg.norm(p - np.array(sphere.center), axis=-1) - sphere.radius) < 1e-3
+        )
+        if not on.any():
+            continue
+        c = np.array(sphere.center)
+        np.testing.assert_allclose(np.linalg.norm(p[on] - c, axis=-1), sphere.radius, rtol=1e-5)
+        np.testing.assert_allclose(scene.normal[on], (p[on] - c) / sphere.radius, atol=1e-5)
+        checked += on.sum()
+    labelled = np.isin(scene.label, [s.label for s in scene.spheres]).sum()
+    assert checked == labelled > 50  # every sphere pixel lies on a sphere of its class
+
+
+def test_every_pixel_is_the_nearest_hit_of_an_independent_ray_cast(scene):
+    """The first surface along each ray, from the quadratic's roots (np.roots) and the planes, per pixel: its label
+    and depth are the rendered ones."""
+    d = scenes.rays(scene.depth.shape[0])
+    for row, col in np.random.default_rng(0).integers(0, d.shape[0], size=(150, 2)):
+        ray = d[row, col]
+        hits = []  # (t, label)
+        if ray[1] > 0:
+            hits.append((scenes.FLOOR_Y / ray[1], 0))
+        t_wall = scenes.WALL_Z / ray[2]
+        if scenes.WALL_TOP <= t_wall * ray[1] <= scenes.FLOOR_Y:
+            hits.append((t_wall, 1))
+        for s in scene.spheres:
+            c = np.array(s.center)
+            roots = np.roots([ray @ ray, -2 * ray @ c, c @ c - s.radius**2])
+            hits += [(float(t.real), s.label) for t in roots if abs(t.imag) < 1e-12 and t.real > 0]
+        if not hits:
+            assert (scene.label[row, col], scene.depth[row, col, 0]) == (-1, 0)
+            assert not scene.normal[row, col].any() and not scene.image[row, col].any()
+            continue
+        t, label = min(hits)
+        assert scene.label[row, col] == label, (row, col)
+        np.testing.assert_allclose(scene.depth[row, col, 0], t * ray[2], rtol=1e-5)
+
+
+def test_normals_are_unit_where_something_is_hit_and_the_shapes_are_libmtls(scene):
+    seen = scene.label >= 0
+    np.testing.assert_allclose(np.linalg.norm(scene.normal[seen], axis=-1), 1.0, atol=1e-6)
+    assert (scene.image.shape, scene.label.shape, scene.depth.shape, scene.normal.shape) == (
+        (48, 48, 3),
+        (48, 48),
+        (48, 48, 1),
+        (48, 48, 3),
+    )
+    assert {a.dtype for a in (scene.image, scene.label, scene.depth, scene.normal)} == {np.dtype(np.float32)}
+    assert set(np.unique(scene.label)) <= set(range(-1, scenes.CLASSES))
+    assert 0.05 < (~seen).mean() < 0.3  # NYUv2-like unlabelled pixels, masked by its losses and metrics
+
+
+def test_written_scenes_are_libmtls_nyuv2_layout_and_the_samples_module_serves_them(tmp_path):
+    out = scenes.write(tmp_path / "scenes", train=5, val=2, size=16, seed=3)
+    assert sorted(p.name for p in (out / "train").iterdir()) == ["depth", "image", "label", "normal"]
+    dm = SamplesDataModule(
+        str(out), channels_last=["x", "depth", "normal"], dtypes={"label": "int64"}, batch_size=5, shuffle=False
+    )
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {
+        "x": (5, 3, 16, 16),
+        "label": (5, 16, 16),
+        "depth": (5, 1, 16, 16),
+        "normal": (5, 3, 16, 16),
+    }
+    again = scenes.render(np.random.default_rng([3, 0, 4]), 16)  # scene 4 of train, from its own stream
+    assert torch.equal(batch["x"][4], torch.from_numpy(np.moveaxis(again.image, -1, 0)))
+    # The same seed gives the same files; a larger count keeps the first scenes.
+    more = scenes.write(tmp_path / "more", train=7, val=2, size=16, seed=3)
+    assert (more / "train/depth/4.npy").read_bytes() == (out / "train/depth/4.npy").read_bytes()
+
+
+def test_the_command_refuses_a_folder_with_files_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "kept.txt").write_text("a user's file")
+    with pytest.raises(SystemExit):
+        scenes.main([str(tmp_path), "--train", "2", "--val", "1", "--size", "8"])
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
