@@ -1,0 +1,161 @@
+"""NYUv2's losses and metrics (`multiloss.dense_tasks`) against LibMTL's own, transcribed from
+median-research-group/LibMTL at 4336804847eaa5e0b924b743d76beec7ac3fdc97, ``examples/nyu/utils.py`` lines 9-112
+(SegMetric, DepthMetric, NormalMetric, SegLoss, DepthLoss, NormalLoss), on random batches with void pixels: equal
+over several updates (an epoch's), to float round-off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from multiloss import dense_tasks
+
+
+class SegMetric:  # utils.py 10-31
+    def __init__(self, num_classes):
+        self.num_classes = num_classes
+        self.record = torch.zeros((self.num_classes, self.num_classes), dtype=torch.int64)
+
+    def update_fun(self, pred, gt):
+        pred = pred.softmax(1).argmax(1).flatten()
+        gt = gt.long().flatten()
+        k = (gt >= 0) & (gt < self.num_classes)
+        inds = self.num_classes * gt[k].to(torch.int64) + pred[k]
+        self.record += torch.bincount(inds, minlength=self.num_classes**2).reshape(self.num_classes, self.num_classes)
+
+    def score_fun(self):
+        h = self.record.float()
+        iu = torch.diag(h) / (h.sum(1) + h.sum(0) - torch.diag(h))
+        acc = torch.diag(h).sum() / h.sum()
+        return [torch.mean(iu).item(), acc.item()]
+
+
+class DepthMetric:  # utils.py 34-60
+    def __init__(self):
+        self.abs_record, self.rel_record, self.bs = [], [], []
+
+    def update_fun(self, pred, gt):
+        binary_mask = (torch.sum(gt, dim=1) != 0).unsqueeze(1)
+        pred = pred.masked_select(binary_mask)
+        gt = gt.masked_select(binary_mask)
+        abs_err = torch.abs(pred - gt)
+        rel_err = torch.abs(pred - gt) / gt
+        abs_err = (torch.sum(abs_err) / torch.nonzero(binary_mask, as_tuple=False).size(0)).item()
+        rel_err = (torch.sum(rel_err) / torch.nonzero(binary_mask, as_tuple=False).size(0)).item()
+        self.abs_record.append(abs_err)
+        self.rel_record.append(rel_err)
+        self.bs.append(pred.size()[0])
+
+    def score_fun(self):
+        records = np.stack([np.array(self.abs_record), np.array(self.rel_record)])
+        batch_size = np.array(self.bs)
+        return [(records[i] * batch_size).sum() / (sum(batch_size)) for i in range(2)]
+
+
+class NormalMetric:  # utils.py 63-82
+    def __init__(self):
+        self.record = []
+
+    def update_fun(self, pred, gt):
+        pred = pred / torch.norm(pred, p=2, dim=1, keepdim=True)
+        binary_mask = torch.sum(gt, dim=1) != 0
+        error = (
+            torch.acos(torch.clamp(torch.sum(pred * gt, 1).masked_select(binary_mask), -1, 1)).detach().cpu().numpy()
+        )
+        self.record.append(np.degrees(error))
+
+    def score_fun(self):
+        records = np.concatenate(self.record)
+        return [
+            np.mean(records),
+            np.median(records),
+            np.mean((records < 11.25) * 1.0),
+            np.mean((records < 22.5) * 1.0),
+            np.mean((records < 30) * 1.0),
+        ]
+
+
+def _seg_loss(pred, gt):  # utils.py 85-91
+    return nn.CrossEntropyLoss(ignore_index=-1)(pred, gt.long())
+
+
+def _depth_loss(pred, gt):  # utils.py 93-100
+    binary_mask = (torch.sum(gt, dim=1) != 0).float().unsqueeze(1)
+    return torch.sum(torch.abs(pred - gt) * binary_mask) / torch.nonzero(binary_mask, as_tuple=False).size(0)
+
+
+def _normal_loss(pred, gt):  # utils.py 102-112
+    pred = pred / torch.norm(pred, p=2, dim=1, keepdim=True)
+    binary_mask = (torch.sum(gt, dim=1) != 0).float().unsqueeze(1)
+    return 1 - torch.sum((pred * gt) * binary_mask) / torch.nonzero(binary_mask, as_tuple=False).size(0)
+
+
+def _batches(n: int = 4):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        void = torch.rand(3, 1, 12, 16, generator=g) < 0.2
+        label = torch.randint(0, 13, (3, 12, 16), generator=g).float().masked_fill(void[:, 0], -1)
+        depth = (torch.rand(3, 1, 12, 16, generator=g) * 5 + 0.5).masked_fill(void, 0)
+        normal = torch.nn.functional.normalize(torch.randn(3, 3, 12, 16, generator=g), dim=1).masked_fill(void, 0)
+        # Predictions near the truth (so the thresholds split the pixels), and 13 logits per pixel.
+        logits = torch.randn(3, 13, 12, 16, generator=g) + 3 * torch.nn.functional.one_hot(
+            label.clamp_min(0).long(), 13
+        ).permute(0, 3, 1, 2)
+        yield (
+            (logits, label),
+            (depth + torch.randn(3, 1, 12, 16, generator=g) * 0.3, depth),
+            (normal + torch.randn(3, 3, 12, 16, generator=g) * 0.4, normal),
+        )
+
+
+def test_the_losses_are_libmtls():
+    for (logits, label), (depth_pred, depth), (normal_pred, normal) in _batches():
+        assert torch.allclose(dense_tasks.segmentation_loss(logits, label), _seg_loss(logits, label), atol=0)
+        assert torch.allclose(dense_tasks.depth_loss(depth_pred, depth), _depth_loss(depth_pred, depth), rtol=1e-6)
+        assert torch.allclose(
+            dense_tasks.normal_loss(normal_pred, normal), _normal_loss(normal_pred, normal), rtol=1e-6
+        )
+
+
+def test_the_metrics_over_an_epoch_are_libmtls():
+    ours = {
+        "miou": dense_tasks.MeanIoU(13),
+        "pixel_acc": MulticlassAccuracy(13, average="micro", ignore_index=-1),
+        "abs_err": dense_tasks.DepthError(),
+        "rel_err": dense_tasks.DepthError(relative=True),
+        "mean": dense_tasks.NormalAngleError("mean"),
+        "median": dense_tasks.NormalAngleError("median"),
+        "11.25": dense_tasks.NormalAngleError("within", 11.25),
+        "22.5": dense_tasks.NormalAngleError("within", 22.5),
+        "30": dense_tasks.NormalAngleError("within", 30),
+    }
+    seg, depth, normal = SegMetric(13), DepthMetric(), NormalMetric()
+    for (logits, label), (depth_pred, depth_gt), (normal_pred, normal_gt) in _batches():
+        seg.update_fun(logits, label)
+        depth.update_fun(depth_pred, depth_gt)
+        normal.update_fun(normal_pred, normal_gt)
+        for name in ("miou", "pixel_acc"):
+            ours[name].update(logits, label.long())
+        for name in ("abs_err", "rel_err"):
+            ours[name].update(depth_pred, depth_gt)
+        for name in ("mean", "median", "11.25", "22.5", "30"):
+            ours[name].update(normal_pred, normal_gt)
+    theirs = dict(zip(["miou", "pixel_acc"], seg.score_fun()))
+    theirs |= dict(zip(["abs_err", "rel_err"], depth.score_fun()))
+    theirs |= dict(zip(["mean", "median", "11.25", "22.5", "30"], normal.score_fun()))
+    computed = {name: float(metric.compute()) for name, metric in ours.items()}
+    for name, value in theirs.items():
+        assert computed[name] == pytest.approx(float(value), rel=2e-6, abs=1e-6), name
+    assert 0.05 < computed["11.25"] < computed["22.5"] < computed["30"] < 1  # the thresholds split the pixels
+
+
+def test_miou_is_nan_where_a_class_never_occurs_as_libmtls():
+    metric, reference = dense_tasks.MeanIoU(4), SegMetric(4)
+    label = torch.tensor([[[0, 1], [2, 2]]]).float()
+    logits = torch.nn.functional.one_hot(label.long(), 4).permute(0, 3, 1, 2).float()
+    metric.update(logits, label.long())
+    reference.update_fun(logits, label)
+    assert np.isnan(reference.score_fun()[0]) and torch.isnan(metric.compute())
