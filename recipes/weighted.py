@@ -216,11 +216,12 @@ class WeightedMultiTask(MultiTaskRecipe):
         self.log_losses({**per_task, "total": total}, prefix=f"{self.eval_prefix}/loss/", batch_size=len(batch["x"]))
         for name, metric in self.task_metrics.items():
             task = self.tasks[name]
-            metric(self._metric_input(task, outputs[name]), batch[task.target])
-            self.log(f"{self.eval_prefix}/{task.metric_name}/{name}", metric, on_epoch=True, prog_bar=True)
+            metric.update(self._metric_input(task, outputs[name]), batch[task.target])
+            for log_name, member in task.logged():
+                self.log(f"{self.eval_prefix}/{log_name}/{name}", member, on_epoch=True, prog_bar=True)
 
     def output_callbacks(self) -> list[L.Callback]:
-        columns = [f"val/{t.metric_name}/{name}" for name, t in self.tasks.items() if t.metric is not None]
+        columns = [f"val/{log_name}/{name}" for name, t in self.tasks.items() for log_name, _ in t.logged()]
         weights = ", ".join(f"{n}={t.weight:g}" for n, t in self.tasks.items())
         return (
             [LoggedCurvesPlot("task_metrics.png", columns, f"validation per task (weights: {weights})")]

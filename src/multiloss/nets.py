@@ -194,3 +194,102 @@ def repackage_hidden(hidden: Any) -> Any:
     chained to the freed graph), a GRU's tensor or any nested structure of tensors is cut whole.
     """
     return apply_to_collection(hidden, torch.Tensor, torch.Tensor.detach)
+
+
+def _conv(in_channels: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False), nn.BatchNorm2d(out_channels), nn.ReLU()
+    )
+
+
+class _Residual(nn.Module):
+    """A ResNet basic block (two 3×3 convolutions, the input added), halving the size with ``stride=2``."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(),
+            nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(out_channels),
+        )
+        self.skip = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+class DenseMultiTaskNet(nn.Module):
+    """A shared encoder and one decoder per task, each decoder back to the input's size: the dense-prediction nets of
+    NYUv2 (segmentation, depth, surface normals) at a laptop's size. ``heads``: task name -> output channels.
+
+    ``encoder="segnet"``: SegNet's (Badrinarayanan et al. 2017; LibMTL's ``main_segnet.py`` shares it): ``depth``
+    stages of two Conv3×3-BatchNorm-ReLU and a 2×2 max-pool, each decoder unpooling with the encoder's pooling indices
+    then two convolutions per stage. ``encoder="resnet"``: a 3×3 stem and ``depth`` ResNet basic blocks of stride 2,
+    each decoder upsampling (bilinear) then a convolution per stage. Channels: ``width`` doubling per stage. The
+    encoder's output is where every task's path meets: the representation ``model.balancer.rep_grad`` works on.
+    ``forward(x)`` -> {task: (B, channels, H, W)}.
+    """
+
+    def __init__(
+        self, heads: dict[str, int], in_channels: int = 3, width: int = 16, depth: int = 3, encoder: str = "segnet"
+    ) -> None:
+        super().__init__()
+        require(len(heads) >= 1, "heads", heads, "a mapping task name -> output channels, e.g. {segmentation: 13}")
+        _check_sizes(in_channels=in_channels, width=width, depth=depth, **{f"heads.{k}": v for k, v in heads.items()})
+        require(encoder in ("segnet", "resnet"), "encoder", encoder, "segnet or resnet")
+        self.encoder_kind, self.depth = encoder, depth
+        widths = [width * 2**i for i in range(depth)]
+        if encoder == "segnet":
+            self.stages = nn.ModuleList(
+                nn.Sequential(_conv(c_in, c_out), _conv(c_out, c_out))
+                for c_in, c_out in zip([in_channels, *widths[:-1]], widths)
+            )
+            self.pool = nn.MaxPool2d(2, return_indices=True)
+        else:
+            self.stem = _conv(in_channels, width)
+            self.stages = nn.ModuleList(_Residual(c_in, c_out, 2) for c_in, c_out in zip([width, *widths[:-1]], widths))
+        self.decoders = nn.ModuleDict({name: self._decoder(widths, width, size) for name, size in heads.items()})
+
+    def _decoder(self, widths: list[int], width: int, outputs: int) -> nn.ModuleDict:
+        ups = [widths[i - 1] if i > 0 else width for i in range(len(widths))]  # each stage back to the one before
+        stages = nn.ModuleList(
+            nn.Sequential(_conv(c_in, c_in), _conv(c_in, c_out))
+            if self.encoder_kind == "segnet"
+            else _conv(c_in, c_out)
+            for c_in, c_out in zip(reversed(widths), reversed(ups))
+        )
+        return nn.ModuleDict({"stages": stages, "out": nn.Conv2d(width, outputs, 1)})
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Size]]]:
+        """The representation, and what the decoders need to go back up (SegNet's indices and sizes)."""
+        way = []
+        if self.encoder_kind == "segnet":
+            for stage in self.stages:
+                x = stage(x)
+                size = x.shape
+                x, indices = self.pool(x)
+                way.append((indices, size))
+        else:
+            x = self.stem(x)
+            for stage in self.stages:
+                way.append((None, x.shape))
+                x = stage(x)
+        return x, way
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        rep, way = self.encode(x)
+        out = {}
+        for name, decoder in self.decoders.items():
+            h = rep
+            for stage, (indices, size) in zip(decoder["stages"], reversed(way)):
+                if indices is not None:
+                    h = nn.functional.max_unpool2d(h, indices, 2, output_size=size[-2:])
+                else:
+                    h = nn.functional.interpolate(h, size=size[-2:], mode="bilinear", align_corners=False)
+                h = stage(h)
+            out[name] = decoder["out"](h)
+        return out

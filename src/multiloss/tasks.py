@@ -8,7 +8,9 @@ the key of its output in the net's dict, to:
                  called as ``loss(output, batch[target])``, it returns the batch's mean loss (a scalar)
     target       the batch key holding the task's target
     weight       its weight wᵢ in Σ wᵢ·lossᵢ: a finite number ≥ 0 (0 switches the task off); default 1
-    metric       optional: a torchmetrics metric config, updated on validation as ``metric(output, target)``
+    metric       optional: a torchmetrics metric config, updated on validation as ``metric(output, target)``; or a
+                 mapping of log names to such configs (several numbers of one task: NYUv2's segmentation logs
+                 ``val/miou/<task>`` and ``val/pixel_acc/<task>``), held as a ``torchmetrics.MetricCollection``
     metric_name  optional: the metric's log name, ``val/<metric_name>/<task>``; default: from its class
     activation   optional: a callable applied to the output before the metric only (``torch.sigmoid``
                  turns a binary logit into the probability ``BinaryAccuracy`` expects)
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torchmetrics import Metric
+from torchmetrics import Metric, MetricCollection
 
 from multiloss.components import build_callable
 from multiloss.config import ConfigError, require
@@ -37,13 +39,25 @@ class Task:
     loss: Callable[..., Any]
     target: str
     weight: float
-    metric: Metric | None = None
+    metric: Metric | MetricCollection | None = None
     metric_name: str | None = None
     activation: Callable[..., Any] | None = None
+
+    def logged(self) -> list[tuple[str, Metric]]:
+        """Each metric of the task with its log name (``val/<name>/<task>``)."""
+        if isinstance(self.metric, MetricCollection):
+            return list(self.metric.items(keep_base=True))
+        return [] if self.metric is None else [(str(self.metric_name), self.metric)]
 
 
 def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _metric(spec: Any, key: str) -> Metric:
+    metric = build_callable(spec, key)
+    require(isinstance(metric, Metric), key, spec, "a torchmetrics Metric", f"it built a {type(metric).__name__}")
+    return metric
 
 
 def build_tasks(spec: Mapping[str, Any]) -> dict[str, Task]:
@@ -74,15 +88,13 @@ def build_tasks(spec: Mapping[str, Any]) -> dict[str, Task]:
             "a finite number ≥ 0 (0 switches the task off)",
         )
         metric = None
-        if entry.get("metric") is not None:
-            metric = build_callable(entry["metric"], f"{key}.metric")
-            require(
-                isinstance(metric, Metric),
-                f"{key}.metric",
-                entry["metric"],
-                "a torchmetrics Metric",
-                f"it built a {type(metric).__name__}",
-            )
+        given = entry.get("metric")
+        if isinstance(given, Mapping) and "_target_" not in given:  # several: log name -> metric config
+            require(len(given) > 0, f"{key}.metric", given, "a metric config, or a mapping log name -> metric config")
+            members = {str(n): _metric(spec, f"{key}.metric.{n}") for n, spec in given.items()}
+            metric = MetricCollection(members, compute_groups=False)
+        elif given is not None:
+            metric = _metric(given, f"{key}.metric")
         activation = entry.get("activation")
         tasks[name] = Task(
             name=str(name),
@@ -90,7 +102,8 @@ def build_tasks(spec: Mapping[str, Any]) -> dict[str, Task]:
             target=entry["target"],
             weight=float(weight),
             metric=metric,
-            metric_name=entry.get("metric_name") or (_snake(type(metric).__name__) if metric is not None else None),
+            metric_name=entry.get("metric_name")
+            or (_snake(type(metric).__name__) if isinstance(metric, Metric) else None),
             activation=None if activation is None else build_callable(activation, f"{key}.activation"),
         )
     require(
