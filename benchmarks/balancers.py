@@ -28,10 +28,9 @@ import torch
 from omegaconf import open_dict
 
 from multiloss import testing, train
+from multiloss.metrics import delta_p
 
 BALANCERS = tuple(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs/balancer").glob("*.yaml")))
-# LibMTL's Δp (Lin et al.; LibMTL/metrics.py): a metric whose name says lower is better counts with its sign turned.
-LOWER_IS_BETTER = ("mae", "mse", "loss", "error")
 QUIET = (
     "print_config=false",
     "~callbacks.progress_bar",
@@ -76,12 +75,6 @@ def mean_std(values: list[float], digits: int) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def delta_p(metrics: dict[str, float], single: dict[str, float], names: list[str]) -> float:
-    """LibMTL's Δp in %: the mean over tasks of ±(M - M_single) / M_single, + where the metric improves."""
-    signs = [-1.0 if any(w in n for w in LOWER_IS_BETTER) else 1.0 for n in names]
-    return 100 * statistics.mean(s * (metrics[n] - single[n]) / single[n] for s, n in zip(signs, names))
-
-
 def interval(values: list[float]) -> tuple[float, float]:
     """The mean and the half-width of its 95 % Student-t interval."""
     from scipy import stats
@@ -97,6 +90,7 @@ TUNING = {
     "recipe=weighted": "model.tasks.ink.weight=1,10,30,100",
     "experiment=digit_pairs": "model.tasks.right.weight=0.5,1,2,4",
     "experiment=task_regression": "model.optimizer.lr=0.001,0.003,0.01,0.03",
+    "experiment=scenes": "model.tasks.depth.weight=0.25,0.5,1,2",
 }
 
 

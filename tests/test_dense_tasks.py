@@ -159,3 +159,108 @@ def test_miou_is_nan_where_a_class_never_occurs_as_libmtls():
     metric.update(logits, label.long())
     reference.update_fun(logits, label)
     assert np.isnan(reference.score_fun()[0]) and torch.isnan(metric.compute())
+
+
+def count_improvement(base_result, new_result, weight):  # LibMTL/utils.py 48-78 (at the commit above)
+    improvement = 0
+    count = 0
+    for task in list(base_result.keys()):
+        improvement += (
+            ((-1) ** np.array(weight[task]))
+            * (np.array(base_result[task]) - np.array(new_result[task]))
+            / np.array(base_result[task])
+        ).mean()
+        count += 1
+    return improvement / count
+
+
+def test_delta_p_is_libmtls_count_improvement():
+    """Per task the mean over its metrics, then over the tasks; LibMTL's weight 1 = higher is better (here: a name
+    without an error, a loss or an angle in it), its result a fraction (here a percent)."""
+    from multiloss.metrics import delta_p
+
+    single = {"val/miou/seg": 0.40, "val/pixel_acc/seg": 0.70, "val/abs_err/depth": 0.60, "val/rel_err/depth": 0.25}
+    single |= {"val/mean_angle/normal": 30.0, "val/within_11/normal": 0.20}
+    new = {"val/miou/seg": 0.42, "val/pixel_acc/seg": 0.69, "val/abs_err/depth": 0.55, "val/rel_err/depth": 0.27}
+    new |= {"val/mean_angle/normal": 31.0, "val/within_11/normal": 0.22}
+    tasks = {"seg": ["miou", "pixel_acc"], "depth": ["abs_err", "rel_err"], "normal": ["mean_angle", "within_11"]}
+    higher = {"miou": 1, "pixel_acc": 1, "abs_err": 0, "rel_err": 0, "mean_angle": 0, "within_11": 1}
+    base = {t: [single[f"val/{m}/{t}"] for m in ms] for t, ms in tasks.items()}
+    result = {t: [new[f"val/{m}/{t}"] for m in ms] for t, ms in tasks.items()}
+    weight = {t: [higher[m] for m in ms] for t, ms in tasks.items()}
+    assert delta_p(new, single, sorted(single)) == pytest.approx(
+        100 * count_improvement(base, result, weight), rel=1e-12
+    )
+    # LibMTL's own example (its docstring): A two metrics, B one.
+    example = {"val/acc/A": 96, "val/f1/A": 98, "val/acc/B": 0.2}
+    other = {"val/acc/A": 93, "val/f1/A": 99, "val/acc/B": 0.5}
+    libmtl = count_improvement({"A": [96, 98], "B": [0.2]}, {"A": [93, 99], "B": [0.5]}, {"A": [1, 1], "B": [1]})
+    assert delta_p(other, example, sorted(example)) == pytest.approx(100 * libmtl, rel=1e-12)
+
+
+@pytest.mark.parametrize("encoder", ["segnet", "resnet"])
+def test_the_dense_net_gives_every_task_the_input_size_and_its_encoder_output_is_the_representation(encoder):
+    from multiloss.balancers.layer_gramian import LayerGramian
+    from multiloss.nets import DenseMultiTaskNet
+
+    net = DenseMultiTaskNet({"segmentation": 13, "depth": 1, "normal": 3}, width=4, depth=3, encoder=encoder)
+    recorder = LayerGramian(net, keep_outputs=True)
+    out = net(torch.randn(2, 3, 32, 24))
+    assert {k: tuple(v.shape) for k, v in out.items()} == {
+        "segmentation": (2, 13, 32, 24),
+        "depth": (2, 1, 32, 24),
+        "normal": (2, 3, 32, 24),
+    }
+    losses = torch.stack([v.square().mean() for v in out.values()])
+    rep, per_task, name = recorder.representation(losses)
+    assert tuple(rep.shape) == (2, 16, 4, 3) and tuple(per_task.shape) == (3, 2, 16, 4, 3)
+    assert (
+        name == {"segnet": "stages.2", "resnet": "stages.2"}[encoder]
+        or rep.shape == net.encode(torch.randn(2, 3, 32, 24))[0].shape
+    )
+
+
+def test_a_task_with_several_metrics_logs_each_and_a_bad_one_is_named_by_key():
+    from torchmetrics import MetricCollection
+
+    from multiloss.config import ConfigError
+    from multiloss.tasks import build_tasks
+
+    spec = {"depth": {"loss": "multiloss.dense_tasks.depth_loss", "target": "depth", "metric": {
+        "abs_err": {"_target_": "multiloss.dense_tasks.DepthError"},
+        "rel_err": {"_target_": "multiloss.dense_tasks.DepthError", "relative": True},
+    }}}  # fmt: skip
+    task = build_tasks(spec)["depth"]
+    assert isinstance(task.metric, MetricCollection) and [n for n, _ in task.logged()] == ["abs_err", "rel_err"]
+    spec["depth"]["metric"]["rel_err"] = {"_target_": "torch.nn.L1Loss"}
+    with pytest.raises(ConfigError) as err:
+        build_tasks(spec)
+    assert err.value.key == "tasks.depth.metric.rel_err"
+
+
+def test_experiment_scenes_trains_on_generated_scenes_with_every_metric_logged(tmp_path):
+    """``python -m multiloss.data.scenes`` then ``experiment=scenes data.path=...`` (with the rule on the
+    representation): the run logs NYUv2's nine numbers per validation."""
+    from multiloss import testing, train
+    from multiloss.data import scenes
+    from tests.conftest import QUIET
+
+    data = scenes.write(tmp_path / "scenes", train=16, val=8, size=16, seed=0)
+    cfg = testing.compose(
+        *QUIET,
+        "~callbacks.loss_curves",
+        "trainer=cpu",
+        "experiment=scenes",
+        f"data.path={data}",
+        "model.net.width=4",
+        "model.net.depth=2",
+        "trainer.max_epochs=1",
+        "balancer=upgrad",
+        "model.balancer.rep_grad=batch",
+        output_dir=tmp_path / "run",
+    )
+    metrics = train(cfg)
+    names = {"miou/segmentation", "pixel_acc/segmentation", "abs_err/depth", "rel_err/depth"}
+    names |= {f"{m}/normal" for m in ("mean_angle", "median_angle", "within_11", "within_22", "within_30")}
+    assert {f"val/{n}" for n in names} <= set(metrics)
+    assert all(np.isfinite(metrics[f"val/{n}"]) for n in names - {"miou/segmentation"})

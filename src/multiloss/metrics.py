@@ -94,3 +94,18 @@ class ModeCoverage(Metric):
             "modes": (self.hits >= needed).sum().float(),
             "high_quality": self.hits.sum().float() / total,
         }
+
+
+# A metric whose name says lower is better counts with its sign turned in Δp (the errors, the losses, the angles).
+LOWER_IS_BETTER = ("mae", "mse", "loss", "err", "angle")
+
+
+def delta_p(metrics: Mapping[str, float], single: Mapping[str, float], names: list[str]) -> float:
+    """LibMTL's Δp in % (``LibMTL/utils.py`` ``count_improvement`` at 4336804, Maninis et al. 2019): for each task,
+    the mean over its metrics of ±(M − M_single) / M_single (+ where the metric improves), then the mean over the
+    tasks. ``names``: ``val/<metric>/<task>`` keys of both ``metrics`` and ``single`` (each task's run alone)."""
+    by_task: dict[str, list[float]] = {}
+    for name in names:
+        sign = -1.0 if any(word in name.split("/")[-2] for word in LOWER_IS_BETTER) else 1.0
+        by_task.setdefault(name.split("/")[-1], []).append(sign * (metrics[name] - single[name]) / single[name])
+    return 100 * sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)

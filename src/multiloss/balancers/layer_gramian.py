@@ -141,6 +141,8 @@ class LayerGramian:
         self.handles = [layer.register_forward_hook(self._record) for layer in self.layers]
 
     def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+            output = output[0]  # a module's main output (a max-pool's beside its indices, an LSTM's beside its state)
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.grad_fn is not None):
             return
         edge = get_gradient_edge(output)
