@@ -211,8 +211,9 @@ def test_the_dense_net_gives_every_task_the_input_size_and_its_encoder_output_is
         "depth": (2, 1, 32, 24),
         "normal": (2, 3, 32, 24),
     }
-    losses = torch.stack([v.square().mean() for v in out.values()])
-    rep, per_task, name = recorder.representation(losses)
+    losses = [v.square().mean() for v in out.values()]
+    rep, per_task, heads, name = recorder.representation(losses)
+    assert {task for _, _, task in heads} == {0, 1, 2}  # each decoder's parameters, its task's gradient
     assert tuple(rep.shape) == (2, 16, 4, 3) and tuple(per_task.shape) == (3, 2, 16, 4, 3)
     assert (
         name == {"segnet": "stages.2", "resnet": "stages.2"}[encoder]

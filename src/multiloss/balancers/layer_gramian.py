@@ -30,11 +30,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass
@@ -54,6 +56,21 @@ class _Segment:
     parameters: list[nn.Parameter]  # the shared ones it reaches
     by_rows: list[tuple[nn.Module, torch.Tensor, torch.Size]]  # a Linear whose Gramian its rows give
     wanted: list[nn.Parameter]  # the rest: their K gradients taken
+
+
+def _parameters_above(loss: torch.Tensor, stop: Any) -> list[torch.Tensor]:
+    """The parameters ``loss``'s graph reaches before the node ``stop`` (a task's head above the representation)."""
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node is stop or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def each_task(losses: torch.Tensor, inputs: list) -> tuple[torch.Tensor | None, ...]:
@@ -157,14 +174,18 @@ class LayerGramian:
     def clear(self) -> None:
         self.cuts, self.outputs = {}, {}
 
-    def representation(self, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    def representation(
+        self, losses: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, int]] | None, str]:
         """The representation — the first boundary from the losses: the output of the module where every task's path
-        meets (the encoder's, LibMTL's ``rep``) — its K gradients (K × its shape, one backward of the losses through
-        the heads only, vectorised over the tasks), and the name of the module that returned it."""
+        meets (the encoder's, LibMTL's ``rep``) —, its K gradients (K × its shape), each task's gradient of the
+        parameters it reaches above it (its head: ``(parameter, gradient, task)``; None under FSDP2's sharding), and
+        the name of the module that returned it. One backward per task, through its own head only."""
+        stacked = torch.stack(list(losses))
         cuts = [c for c in self.cuts.values() if c.edge.output_nr >= 0]
         outputs = self.outputs
         self.clear()
-        boundaries = _CutGraph(losses, cuts).boundaries()
+        boundaries = _CutGraph(stacked, cuts).boundaries()
         names = (
             [self._module_names.get(id(m), type(m).__name__) for m, _, _ in cuts[boundaries[0]].calls]
             if boundaries
@@ -183,12 +204,21 @@ class LayerGramian:
                 )
                 + "; or set model.balancer.rep_grad=null (the rule on the shared parameters' gradients)"
             )
-        rep = kept[0]
-        (per_task,) = each_task(losses, [cuts[boundaries[0]].edge])
-        if per_task is None:
-            per_task = torch.zeros(len(losses), *rep.shape, dtype=rep.dtype, device=rep.device)
+        rep, edge = kept[0], cuts[boundaries[0]].edge
+        per_task = torch.zeros(len(losses), *rep.shape, dtype=rep.dtype, device=rep.device)
+        aboves = [_parameters_above(loss, edge.node) for loss in losses]
+        # FSDP2 frees a unit's whole weights after its forward and gathers them again for its backward: they cannot be
+        # read here. None then: the heads' gradients come from the step's backward.
+        heads: list | None = None if any(isinstance(m, FSDPModule) for m in self.layers) else []
+        for task, (loss, above) in enumerate(zip(losses, aboves, strict=True)):
+            wanted = [edge, *above] if heads is not None else [edge]
+            grads = torch.autograd.grad(loss, wanted, retain_graph=True, allow_unused=True)
+            if grads[0] is not None:
+                per_task[task] = grads[0]
+            if heads is not None:
+                heads += [(p, g, task) for p, g in zip(above, grads[1:]) if g is not None]
         self.steps += 1
-        return rep, per_task, " / ".join(names)
+        return rep, per_task, heads, " / ".join(names)
 
     def remove(self) -> None:
         """Take the hooks off the modules and drop what they recorded."""

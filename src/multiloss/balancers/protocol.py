@@ -387,13 +387,12 @@ class GradientBalancer(Balancer):
         """``rep_grad``: the rule on the tasks' gradients of the representation Z (LibMTL's ``rep_grad``, MGDA-UB),
         as a loss whose backward gives each head its own coefficient's gradient βᵢ·∇Lᵢ and the shared layers below Z
         the rule's combination D of the K gradients of Z (Σαᵢ·∇_Z Lᵢ, or GradDrop's masked sum), pulled back through
-        Z: Σᵢ βᵢLᵢ + ⟨Z, D - Σᵢ βᵢ∇_Z Lᵢ⟩ with the bracket held constant. No parameter's gradient is taken: one
-        backward of the K losses through the heads (vectorised over the tasks), then this one."""
+        Z: ⟨Z, D⟩ + Σ ⟨headᵢ, βᵢ·∇_headᵢ Lᵢ⟩ with the brackets' right sides held constant. One backward per task
+        through its own head (Z's and the head's gradients at once), then one through the layers below Z."""
         layers = self._layers
         assert layers is not None
-        stacked = torch.stack(weighted)
-        rep, per_task, _ = layers.representation(stacked)
-        k = len(stacked)
+        rep, per_task, heads, _ = layers.representation(weighted)
+        k = len(weighted)
         if self.rep_grad == "batch":  # LibMTL's: summed over the batch (abstract_weighting.py 90)
             matrix = per_task.reshape(k, per_task.shape[1], -1).sum(1) if per_task.dim() > 2 else per_task
             if self.scope == "global" and self._mean_over_ranks is not None:
@@ -401,22 +400,24 @@ class GradientBalancer(Balancer):
             gramian = None
         else:  # every sample's gradient, flattened (MGDA-UB): the ranks' samples are other coordinates
             matrix = per_task.reshape(k, -1)
-            gramian = (
-                matrix.double() @ matrix.double().T
-                if matrix.dtype == torch.float64
-                else matrix.float() @ matrix.float().T
-            )
+            wide = matrix.double() if matrix.dtype == torch.float64 else matrix.float()
+            gramian = wide @ wide.T
             if self.scope == "global" and self._mean_over_ranks is not None:
                 ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
                 gramian = self._mean_over_ranks(gramian) / ranks
         combination, own, extra = self.representation_rule(matrix, gramian, per_task, rep, losses)
-        own = own.to(stacked.dtype).detach()
+        own = own.detach()
         flat = per_task.reshape(k, -1)
-        if combination.dim() == 1:  # coefficients αᵢ: D − Σβᵢ∇_Z Lᵢ = Σ(αᵢ − βᵢ)∇_Z Lᵢ, one pass over the K gradients
-            change = ((combination.to(flat.dtype) - own.to(flat.dtype)) @ flat).view_as(rep)
-        else:  # the combined gradient D itself (GradDrop's)
-            change = combination.to(flat.dtype) - (own.to(flat.dtype) @ flat).view_as(rep)
-        total = (own * stacked).sum() + (rep * change.to(rep.dtype).detach()).sum()
+        # Coefficients αᵢ of the K gradients of Z (one pass over them), or the combined gradient D itself (GradDrop's).
+        direction = (combination.to(flat.dtype) @ flat).view_as(rep) if combination.dim() == 1 else combination
+        if heads is None:  # FSDP2 sharded: Σβᵢ·Lᵢ through the heads again, Z's part corrected to the direction
+            stacked = torch.stack(weighted)
+            kept = (own.to(flat.dtype) @ flat).view_as(rep)
+            total = (own.to(stacked.dtype) * stacked).sum() + (rep * (direction - kept).to(rep.dtype).detach()).sum()
+        else:  # each head its own task's gradient × βᵢ (taken with Z's: the heads run once), Z's pulled back below
+            total = (rep * direction.to(rep.dtype).detach()).sum()
+            for p, g, task in heads:
+                total = total + (p * (own[task].to(g.dtype) * g).detach()).sum()
         return total if extra is None else total + extra
 
     def check_rep_grad(self, rep_grad: str, scope: str) -> None:
