@@ -105,6 +105,11 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
         write_image_zip(npz_file.with_name("images.zip"), digit_images()[:50], np.arange(50) % 10)
     if rel == "data/samples.yaml":
         write_samples(npz_file.with_name("samples"), dict(np.load(npz_file)))
+    scenes = npz_file.with_name("scenes")
+    if rel in ("experiment/scenes.yaml", "tasks/scenes.yaml"):
+        from multiloss.data.scenes import write
+
+        write(scenes, train=4, val=2, size=16)
     extra = {
         "data/npz.yaml": [f"data.path={npz_file}"],
         "data/images.yaml": [f"data.path={npz_file.with_name('images.zip')}", "data.channels=1", "data.flatten=true"],
@@ -117,6 +122,8 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
         "net/regression_mlp.yaml": ["experiment=task_regression"],
         "tasks/regression.yaml": ["experiment=task_regression"],
         "data/task_regression.yaml": ["experiment=task_regression"],
+        "experiment/scenes.yaml": [f"data.path={scenes}"],
+        "tasks/scenes.yaml": ["experiment=scenes", f"data.path={scenes}"],
     }
     if rel.startswith("hparams_search/") and not HAS_OPTUNA_SWEEPER:
         pytest.skip("the optuna extra (hydra-optuna-sweeper) is not installed")
