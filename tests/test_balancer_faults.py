@@ -63,8 +63,30 @@ def test_a_convention_and_its_options_are_checked_by_key(tmp_path, overrides, ke
 
 @pytest.mark.parametrize("name", ["stch", "excess_mtl", "cagrad", "aligned_mtl", "nash_mtl", "fairgrad"])
 def test_every_convention_libmtl_setting_builds_from_the_shell(tmp_path, name):
-    testing.build(
-        testing.compose("recipe=weighted", f"balancer={name}", "model.balancer.convention=libmtl", output_dir=tmp_path)
+    """``model.balancer.convention=libmtl`` from the shell builds LibMTL's form of each method (the weighted
+    recipe's three digit tasks: K = 3)."""
+    from multiloss.balancers.gradients import libmtl_aligned_mtl
+    from multiloss.balancers.scalarized import LibMTLSTCH
+
+    cfg = testing.compose(
+        "recipe=weighted", f"balancer={name}", "model.balancer.convention=libmtl", output_dir=tmp_path
+    )
+    _, model = testing.build(cfg)
+    balancer = model.balancer
+    assert balancer.convention == "libmtl"
+    if name == "stch":
+        assert isinstance(balancer.scalarizer, LibMTLSTCH) and balancer.scalarizer.warmup_epochs == 4
+        return
+    form = (balancer.shared_factor, balancer.heads_weighted, balancer.libmtl_weighting)
+    assert (
+        form
+        == {
+            "excess_mtl": (3.0, True, None),  # weights summing to K, heads weighted
+            "cagrad": (1 / (1 + 0.5**2), False, None),  # rescale=1: ÷ (1 + c²)
+            "aligned_mtl": (1.0, False, libmtl_aligned_mtl),  # B.sum(0), float32's tolerance
+            "nash_mtl": (1.0, True, None),  # Σ αᵢLᵢ backwarded: heads weighted
+            "fairgrad": (1.0, True, None),
+        }[name]
     )
 
 

@@ -51,6 +51,7 @@ class Scalarized(Balancer):
             convention,
             "torchjd (torchjd's scalarizer) or libmtl (LibMTL's form: STCH's warm-up and nadir; the others alike)",
         )
+        self.convention = convention
         if convention == "libmtl" and _is_torchjd_stch(scalarizer):
             mu = scalarizer.keywords.get("mu", 1.0)
             require(isinstance(mu, int | float) and mu > 0, "scalarizer.mu", mu, "a positive smoothing (LibMTL's 1.0)")
