@@ -58,19 +58,23 @@ class _Segment:
     wanted: list[nn.Parameter]  # the rest: their K gradients taken
 
 
-def _parameters_above(loss: torch.Tensor, stop: Any) -> list[torch.Tensor]:
-    """The parameters ``loss``'s graph reaches before the node ``stop`` (a task's head above the representation)."""
-    found, seen, stack = [], set(), [loss.grad_fn]
+def walk(starts: list, stops: Any = ()) -> tuple[list[torch.Tensor], list[Any]]:
+    """The leaves (parameters, in the order met) the autograd graph reaches from the nodes ``starts``, and the nodes
+    of ``stops`` (a container of node ids) met on the way, not gone past. Nothing is computed."""
+    leaves, stopped, seen, stack = [], [], set(), list(starts)
     while stack:
         node = stack.pop()
-        if node is None or node is stop or id(node) in seen:
+        if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        if id(node) in stops:
+            stopped.append(node)
+            continue
         variable = getattr(node, "variable", None)
         if variable is not None:
-            found.append(variable)
+            leaves.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return leaves, stopped
 
 
 def each_task(losses: torch.Tensor, inputs: list) -> tuple[torch.Tensor | None, ...]:
@@ -206,7 +210,7 @@ class LayerGramian:
             )
         rep, edge = kept[0], cuts[boundaries[0]].edge
         per_task = torch.zeros(len(losses), *rep.shape, dtype=rep.dtype, device=rep.device)
-        aboves = [_parameters_above(loss, edge.node) for loss in losses]
+        aboves = [walk([loss.grad_fn], {id(edge.node)})[0] for loss in losses]
         # FSDP2 frees a unit's whole weights after its forward and gathers them again for its backward: they cannot be
         # read here. None then: the heads' gradients come from the step's backward.
         heads: list | None = None if any(isinstance(m, FSDPModule) for m in self.layers) else []
@@ -356,22 +360,10 @@ class _CutGraph:
         self._walk([losses.grad_fn])  # the losses' own, last: index -1
 
     def _walk(self, starts: list) -> None:
-        cuts_hit, params_hit, seen, stack = set(), set(), set(), list(starts)
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if id(node) in self.index:
-                cuts_hit.add(self.index[id(node)])
-                continue
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                self.params[id(variable)] = variable
-                params_hit.add(id(variable))
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        self.reach.append(cuts_hit)
-        self.own.append(params_hit)
+        leaves, stopped = walk(starts, self.index)
+        self.params.update((id(v), v) for v in leaves)
+        self.reach.append({self.index[id(node)] for node in stopped})
+        self.own.append({id(v) for v in leaves})
 
     def _closure(self, start: int, avoid: int | None = None) -> set[int]:
         """The cuts reachable from ``start`` (a cut, or -1: the losses), itself included, not passing ``avoid``."""
@@ -448,17 +440,4 @@ def _rows_gramian(
 def reached(losses: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> list[set[int]]:
     """For each loss, the ids of the ``params`` its graph reaches (a walk of the autograd graph: nothing computed)."""
     wanted = {id(p) for p in params}
-    result = []
-    for loss in losses:
-        found, seen, stack = set(), set(), [loss.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            variable = getattr(node, "variable", None)
-            if variable is not None and id(variable) in wanted:
-                found.add(id(variable))
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        result.append(found)
-    return result
+    return [{id(v) for v in walk([loss.grad_fn])[0]} & wanted for loss in losses]
