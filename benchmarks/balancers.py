@@ -5,6 +5,9 @@
     python benchmarks/balancers.py --balancers fixed pcgrad --seeds 0 --override trainer.max_epochs=3
     python benchmarks/balancers.py --delta-p --seeds 0 1 2 3 4       # LibMTL's Δp against single-task runs, 95 % CI
     python benchmarks/balancers.py --delta-p --experiment task_regression --override data.correlation=0.9
+    python benchmarks/balancers.py --delta-p --experiment scenes --override data.path=$PWD/data/scenes \
+        --jobs 2 --results scenes.jsonl                              # 2 runs at a time; re-run to resume
+
 
 Each run is the recipe's default (``python train.py recipe=weighted balancer=<name> seed=<s>``, or
 ``experiment=<name>``), quiet, in a temporary run dir. Time per batch is the median of
@@ -13,14 +16,21 @@ start-up and validation are left out. One more run, ``balancer=fixed monitor=con
 seed, measures how often the tasks' gradients conflict. Prints Markdown tables (the README's): each
 task's final validation metric as mean ± standard deviation over the seeds. A benchmark, not a test:
 the numbers depend on the machine.
+
+``--jobs N`` runs N trainings at a time, each in its own process with ``--threads`` threads; ``--results FILE``
+keeps every finished run (one JSON line: its setup, balancer, seed, overrides, final metrics and ms/batch), so an
+interrupted benchmark started again with the same file runs only what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import lightning as L
@@ -53,7 +63,11 @@ class BatchTimer(L.Callback):
         TIMES.append(time.perf_counter() - self._start)
 
 
-def run(setup: list[str], balancer: str, seed: int, overrides: list[str]) -> tuple[dict[str, float], float]:
+Job = tuple[tuple[str, ...], str, int, tuple[str, ...]]  # setup, balancer, seed, overrides
+Result = tuple[dict[str, float], float]  # final metrics, median ms per training batch
+
+
+def run(setup: list[str], balancer: str, seed: int, overrides: list[str]) -> Result:
     """One training run: its final metrics and its median ms per training batch."""
     out = tempfile.mkdtemp(prefix=f"balancer-{balancer}-{seed}-")
     cfg = testing.compose(*setup, f"balancer={balancer}", f"seed={seed}", *QUIET, *overrides, output_dir=out)
@@ -61,7 +75,51 @@ def run(setup: list[str], balancer: str, seed: int, overrides: list[str]) -> tup
         cfg.callbacks["batch_timer"] = {"_target_": f"{__name__}.BatchTimer"}
     TIMES.clear()
     metrics = train(cfg)
-    return metrics, statistics.median(TIMES) * 1e3
+    return {k: float(v) for k, v in metrics.items()}, statistics.median(TIMES) * 1e3
+
+
+def _run_job(job: Job) -> Result:
+    setup, balancer, seed, overrides = job
+    return run(list(setup), balancer, seed, list(overrides))
+
+
+class Runner:
+    """Runs jobs ``jobs`` at a time (spawned processes of ``threads`` threads each), keeping each result in
+    ``results`` (JSON lines) and reading the ones already there instead of running them again."""
+
+    def __init__(self, jobs: int = 1, threads: int = 1, results: Path | None = None) -> None:
+        self.jobs, self.threads, self.results = jobs, threads, results
+        self.done: dict[Job, Result] = {}
+        if results is not None and results.exists():
+            for line in results.read_text().splitlines():
+                row = json.loads(line)
+                job = (tuple(row["setup"]), row["balancer"], row["seed"], tuple(row["overrides"]))
+                self.done[job] = (row["metrics"], row["ms"])
+
+    def _keep(self, job: Job, result: Result, seconds: float) -> None:
+        self.done[job] = result
+        setup, balancer, seed, overrides = job
+        print(f"  ran {balancer} seed {seed} {' '.join(overrides)} ({seconds:.0f} s)", flush=True)
+        if self.results is not None:
+            row = {"setup": setup, "balancer": balancer, "seed": seed, "overrides": overrides}
+            with self.results.open("a") as f:
+                f.write(json.dumps({**row, "metrics": result[0], "ms": result[1]}) + "\n")
+
+    def __call__(self, jobs: list[Job]) -> list[Result]:
+        missing = list(dict.fromkeys(job for job in jobs if job not in self.done))
+        start = time.perf_counter()
+        if self.jobs == 1:
+            for job in missing:
+                self._keep(job, _run_job(job), time.perf_counter() - start)
+        elif missing:
+            spawn = multiprocessing.get_context("spawn")  # no forked torch state in the workers
+            with ProcessPoolExecutor(
+                self.jobs, spawn, initializer=torch.set_num_threads, initargs=(self.threads,)
+            ) as pool:
+                futures = {pool.submit(_run_job, job): job for job in missing}
+                for future in as_completed(futures):
+                    self._keep(futures[future], future.result(), time.perf_counter() - start)
+        return [self.done[job] for job in jobs]
 
 
 def task_metrics(metrics: dict[str, float]) -> list[str]:
@@ -95,44 +153,61 @@ TUNING = {
 
 
 def delta_p_table(
-    setup: list[str], balancers: list[str], seeds: list[int], overrides: list[str], tune: str | None
+    setup: list[str],
+    balancers: list[str],
+    seeds: list[int],
+    overrides: list[str],
+    tune: str | None,
+    runner: Runner,
+    columns: list[str] | None = None,
 ) -> None:
-    """Each task trained alone (the others' weights 0, per seed), then every balancer: Δp per seed, mean ± 95 % CI.
+    """Each task trained alone (the others' weights 0, per seed), then every balancer: Δp per seed, mean ± 95 % CI,
+    and beside it each metric's mean over the seeds (``columns``: which, ``<metric>/<task>``; default every one).
     A tuned ``fixed`` gets a budget of four runs per seed (``tune``: ``key=v1,v2,...``), the best mean Δp over the
-    seeds (reported as such: it has seen the seeds it is scored on)."""
+    seeds (reported as such: it has seen the seeds it is scored on). Every run is handed to ``runner`` at once."""
     tasks = list(testing.compose(*setup, *overrides).model.tasks)
-    singles = {}
-    for seed in seeds:
-        merged: dict[str, float] = {}
-        for task in tasks:
-            alone = [f"model.tasks.{other}.weight=0" for other in tasks if other != task]
-            metrics, _ = run(setup, "fixed", seed, [*overrides, *alone])
-            merged.update({n: v for n, v in metrics.items() if n.endswith(f"/{task}")})
-        singles[seed] = merged
-    names = task_metrics(singles[seeds[0]])
-    rows = []
-    for balancer in balancers:
-        values = [delta_p(run(setup, balancer, seed, overrides)[0], singles[seed], names) for seed in seeds]
-        rows.append((f"`{balancer}`", values))
-        print(
-            f"{balancer}: Δp {interval(values)[0]:+.2f} % (seeds: {', '.join(f'{v:+.2f}' for v in values)})", flush=True
-        )
     tune = tune or TUNING.get(" ".join(setup))
+    key, _, grid = (tune or "").partition("=")
+    alone = {task: tuple(f"model.tasks.{other}.weight=0" for other in tasks if other != task) for task in tasks}
+    single_jobs = {
+        (seed, task): (tuple(setup), "fixed", seed, (*overrides, *alone[task])) for seed in seeds for task in tasks
+    }
+    method_jobs = {(b, seed): (tuple(setup), b, seed, tuple(overrides)) for b in balancers for seed in seeds}
+    tuned_jobs = {
+        (value, seed): (tuple(setup), "fixed", seed, (*overrides, f"{key}={value}"))
+        for value in (grid.split(",") if tune else [])
+        for seed in seeds
+    }
+    everything = [*single_jobs.values(), *method_jobs.values(), *tuned_jobs.values()]
+    results = dict(zip(everything, runner(everything), strict=True))
+
+    singles = {
+        seed: {n: v for task in tasks for n, v in results[single_jobs[seed, task]][0].items() if n.endswith(f"/{task}")}
+        for seed in seeds
+    }
+    names = task_metrics(singles[seeds[0]])
+    shown = [f"val/{c}" for c in columns] if columns else names
+    rows = [("each task alone (`fixed`)", [0.0] * len(seeds), [singles[s] for s in seeds])]
+    for balancer in balancers:
+        runs = [results[method_jobs[balancer, seed]][0] for seed in seeds]
+        rows.append((f"`{balancer}`", [delta_p(m, singles[s], names) for m, s in zip(runs, seeds, strict=True)], runs))
     if tune:
-        key, _, grid = tune.partition("=")
-        tuned = []
+        tried = []
         for value in grid.split(","):
-            extra = [*overrides, f"{key}={value}"]
-            tuned.append((value, [delta_p(run(setup, "fixed", s, extra)[0], singles[s], names) for s in seeds]))
-        value, values = max(tuned, key=lambda t: statistics.mean(t[1]))
-        rows.append((f"`fixed`, tuned ({key}={value})", values))
+            runs = [results[tuned_jobs[value, seed]][0] for seed in seeds]
+            tried.append((value, [delta_p(m, singles[s], names) for m, s in zip(runs, seeds, strict=True)], runs))
+        value, values, runs = max(tried, key=lambda t: statistics.mean(t[1]))
+        rows.append((f"`fixed`, tuned ({key}={value})", values, runs))
     where = " ".join([*setup, *overrides])
-    print(f"\n{where}, seeds {seeds}: Δp (%) against each task trained alone, mean ± 95 % CI (t)")
-    print("| balancer | Δp % | 95 % CI | per seed |")
-    print("|---|---:|---:|---|")
-    for label, values in rows:
+    print(f"\n{where}, seeds {seeds}: Δp (%) against each task trained alone, mean ± 95 % CI (t); metrics: mean")
+    print("| balancer | Δp % | 95 % CI | " + " | ".join(f"`{n.removeprefix('val/')}`" for n in shown) + " | per seed |")
+    print("|---|---:|---:|" + "---:|" * len(shown) + "---|")
+    for label, values, runs in rows:
         mean, half = interval(values)
-        print(f"| {label} | {mean:+.2f} | ± {half:.2f} | {', '.join(f'{v:+.1f}' for v in values)} |", flush=True)
+        cells = " | ".join(f"{statistics.mean(r[n] for r in runs):.3f}" for n in shown)
+        print(
+            f"| {label} | {mean:+.2f} | ± {half:.2f} | {cells} | {', '.join(f'{v:+.1f}' for v in values)} |", flush=True
+        )
 
 
 def main() -> None:
@@ -146,11 +221,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--delta-p", action="store_true", help="LibMTL's Δp against single-task runs")
     parser.add_argument("--tune", default=None, help="the tuned fixed's grid, key=v1,v2,... (default: per setup)")
+    parser.add_argument("--columns", nargs="*", default=None, help="metrics beside Δp, <metric>/<task> (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, each its own process (--delta-p)")
+    parser.add_argument("--results", type=Path, default=None, help="JSON lines of finished runs, read to resume")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    runner = Runner(args.jobs, args.threads, args.results)
     setup = [f"experiment={args.experiment}"] if args.experiment else ["recipe=weighted"]
     if args.delta_p:
-        delta_p_table(setup, args.balancers, args.seeds, args.override, args.tune)
+        delta_p_table(setup, args.balancers, args.seeds, args.override, args.tune, runner, args.columns)
         return
 
     monitored, _ = run(setup, "fixed", args.seeds[0], [*args.override, "monitor=conflicts"])
