@@ -38,7 +38,7 @@ import torch
 from omegaconf import open_dict
 
 from multiloss import testing, train
-from multiloss.metrics import delta_p
+from multiloss.metrics import LOWER_IS_BETTER, delta_p
 
 BALANCERS = tuple(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs/balancer").glob("*.yaml")))
 QUIET = (
@@ -205,15 +205,40 @@ def delta_p_table(
         value, values, runs = max(tried, key=lambda t: statistics.mean(t[1]))
         rows.append((f"`fixed`, tuned ({key}={value})", values, runs))
     where = " ".join([*setup, *overrides])
-    print(f"\n{where}, seeds {seeds}: Δp (%) against each task trained alone, mean ± 95 % CI (t); metrics: mean")
-    print("| balancer | Δp % | 95 % CI | " + " | ".join(f"`{n.removeprefix('val/')}`" for n in shown) + " | per seed |")
-    print("|---|---:|---:|" + "---:|" * len(shown) + "---|")
+    print(f"\n{where}, seeds {seeds}: Δp (%) against each task trained alone; every figure mean ± 95 % CI (t)")
+    print("| balancer | Δp % | " + " | ".join(f"`{n.removeprefix('val/')}`" for n in shown) + " | Δp per seed |")
+    print("|---|---:|" + "---:|" * len(shown) + "---|")
     for label, values, runs in rows:
+        cells = " | ".join("{:.3f} ± {:.3f}".format(*interval([r[n] for r in runs])) for n in shown)
         mean, half = interval(values)
-        cells = " | ".join(f"{statistics.mean(r[n] for r in runs):.3f}" for n in shown)
-        print(
-            f"| {label} | {mean:+.2f} | ± {half:.2f} | {cells} | {', '.join(f'{v:+.1f}' for v in values)} |", flush=True
+        print(f"| {label} | {mean:+.2f} ± {half:.2f} | {cells} | {', '.join(f'{v:+.1f}' for v in values)} |")
+    print(against_fixed(rows, shown), flush=True)
+
+
+def against_fixed(rows: list[tuple[str, list[float], list[dict[str, float]]]], shown: list[str]) -> str:
+    """Per metric, the methods whose 95 % interval lies wholly beyond default ``fixed``'s, better or worse (the
+    metric's direction as LibMTL's Δp reads it); every other method overlaps ``fixed`` there."""
+    by_label = {label: runs for label, _, runs in rows}
+    if "`fixed`" not in by_label:
+        return ""
+    lines = []
+    for name in shown:
+        lower = any(word in name.split("/")[-2] for word in LOWER_IS_BETTER)
+        ref_mean, ref_half = interval([r[name] for r in by_label["`fixed`"]])
+        better, worse = [], []
+        for label, runs in by_label.items():
+            mean, half = interval([r[name] for r in runs])
+            if label == "`fixed`" or half != half:  # nan: one seed
+                continue
+            if mean - half > ref_mean + ref_half:
+                (worse if lower else better).append(label)
+            elif mean + half < ref_mean - ref_half:
+                (better if lower else worse).append(label)
+        lines.append(
+            f"- `{name.removeprefix('val/')}`: better than `fixed` {', '.join(better) or 'none'}; "
+            f"worse {', '.join(worse) or 'none'}"
         )
+    return "\nIntervals apart from default `fixed`'s (the rest overlap it):\n" + "\n".join(lines)
 
 
 def main() -> None:
