@@ -12,7 +12,9 @@ both tasks). Shortened for a CPU budget: ``--steps`` 2000 at ``--lr`` 1e-2 (the 
 a slow method may stop short where the papers' runs go on. ``--papers`` runs the FAMO repository's own settings
 instead: LS (``fixed``), MGDA, PCGrad, CAGrad, Nash-MTL and FAMO, 50000 Adam steps at lr 1e-3 (``trainer.py``'s
 default ``n_epochs`` and x's learning rate), CAGrad's c 0.4 and FAMO's γ 0 (``experiments/utils.py`` defaults and
-``experiments/toy/run.sh``: "a very small gamma as the objective is not changing"), drawn to
+``experiments/toy/run.sh``: "a very small gamma as the objective is not changing"), PCGrad's and CAGrad's update
+clipped to norm 1 (``methods/weight_methods.py``: their own backward clips, the others' clip comes before any
+gradient), drawn to
 ``docs/balancer_toy_papers.png``. ``--jobs N`` runs N (method, start) pairs at a time, one process each.
 
 *Reached* = at the end the two losses lie within ``--tol`` (0.05) of the Pareto front in loss space (the papers'
@@ -60,6 +62,9 @@ PAPERS = {
         "cagrad": ["model.balancer.aggregator.c=0.4"],
         "famo": [*OVERRIDES["famo"], "model.balancer.scalarizer.weight_decay=0"],
     },
+    # methods/weight_methods.py: PCGrad's and CAGrad's own backward clip the update's norm to max_norm 1.0 before
+    # Adam (lines 641-642, 765-766); the others clip before their loss.backward(), on no gradient (lines 77-80).
+    "max_norm": {"pcgrad": 1.0, "cagrad": 1.0},
     "figure": ROOT / "docs/balancer_toy_papers.png",
 }
 
@@ -88,7 +93,12 @@ def front_distance(x: torch.Tensor) -> float:
 
 
 def run(
-    method: str, start: tuple[float, float], steps: int, lr: float, overrides: list[str] | None = None
+    method: str,
+    start: tuple[float, float],
+    steps: int,
+    lr: float,
+    overrides: list[str] | None = None,
+    max_norm: float | None = None,
 ) -> tuple[list[tuple[float, float]], float, float]:
     """One start: the path of x, its losses' distance from the Pareto front at the end, and the seconds it took."""
     from omegaconf import OmegaConf
@@ -112,6 +122,8 @@ def run(
         f = toy(net.x)
         losses = {"f1": f[0], "f2": f[1]}
         balancer_backward(balancer, losses, net)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_([net.x], max_norm)
         optimizer.step()
         if balancer.after_step_update:
             with torch.no_grad():
@@ -183,18 +195,21 @@ def main() -> None:
     parser.add_argument("--save", type=Path, default=None, help="keep the runs (JSON) to draw them with others later")
     parser.add_argument("--load", type=Path, nargs="*", default=[], help="runs kept by --save: shown, not run again")
     args = parser.parse_args()
-    overrides = dict(OVERRIDES)
+    overrides, max_norm = dict(OVERRIDES), {}
     if args.papers:
         args.steps, args.lr, args.figure = (PAPERS[k] for k in ("steps", "lr", "figure"))
         args.methods = args.methods or PAPERS["methods"]
         overrides.update(PAPERS["overrides"])
+        max_norm.update(PAPERS["max_norm"])
     args.methods = args.methods or suited
     torch.set_num_threads(1)
     spawn = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(args.jobs, spawn) if args.jobs > 1 else None
     kept = {m: [tuple(r) for r in runs] for f in args.load for m, runs in json.loads(f.read_text()).items()}
     pending = {
-        (method, s): (pool.submit if pool else _now)(run, method, s, args.steps, args.lr, overrides.get(method, []))
+        (method, s): (pool.submit if pool else _now)(
+            run, method, s, args.steps, args.lr, overrides.get(method, []), max_norm.get(method)
+        )
         for method in args.methods
         if method not in kept
         for s in STARTS

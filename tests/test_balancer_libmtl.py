@@ -41,6 +41,29 @@ def _autograd_grads(lib: _LibMTL, losses: list[torch.Tensor]) -> torch.Tensor:
     return grads
 
 
+def _libmtl_cagrad(grads: torch.Tensor, calpha: float, rescale: int) -> torch.Tensor:
+    """LibMTL/weighting/CAGrad.py lines 45-60 (the update from the K × n task gradients), as written there."""
+    from scipy.optimize import minimize
+
+    GG = torch.matmul(grads, grads.t()).cpu()
+    g0_norm = (GG.mean() + 1e-8).sqrt()
+    x_start = np.ones(len(grads)) / len(grads)
+    bnds = tuple((0, 1) for _ in x_start)
+    cons = {"type": "eq", "fun": lambda w: 1 - sum(w)}
+    A, b, c = GG.numpy(), x_start.copy(), (calpha * g0_norm + 1e-8).item()
+
+    def objfn(w):
+        return (
+            w.reshape(1, -1).dot(A).dot(b.reshape(-1, 1))
+            + c * np.sqrt(w.reshape(1, -1).dot(A).dot(w.reshape(-1, 1)) + 1e-8)
+        ).sum()
+
+    ww = torch.tensor(minimize(objfn, x_start, bounds=bnds, constraints=cons).x, dtype=grads.dtype)
+    gw = (grads * ww.view(-1, 1)).sum(0)
+    g = grads.mean(0) + c / (gw.norm() + 1e-8) * gw
+    return g / (1 + calpha**2) if rescale == 1 else g
+
+
 class _NashMTL:
     """LibMTL/weighting/Nash_MTL.py lines 28-100 (init_param, _stop_criteria, solve_optimization,
     _calc_phi_alpha_linearization, _init_optim_problem), as written there."""
@@ -135,7 +158,7 @@ class _ExcessMTL:
 
 def _libmtl_run(method: str) -> Net:
     """LibMTL's Trainer around one method: zero_grad, the weighted losses (cᵢLᵢ), ``weighting.backward``, SGD step."""
-    from scipy.optimize import least_squares, minimize
+    from scipy.optimize import least_squares
 
     net = Net().double()
     x, y = _data()
@@ -163,25 +186,7 @@ def _libmtl_run(method: str) -> Net:
                 sum([alpha[i] * grads[i] for i in range(K)])
             )  # _backward_new_grads (abstract_weighting.py 102-122)
         elif method == "cagrad":  # CAGrad.py 27-64, calpha 0.5, rescale 1 (LibMTL's defaults)
-            calpha, rescale = 0.5, 1
-            grads = lib.compute_grad(losses)
-            GG = torch.matmul(grads, grads.t()).cpu()
-            g0_norm = (GG.mean() + 1e-8).sqrt()
-            x_start = np.ones(K) / K
-            bnds = tuple((0, 1) for _ in x_start)
-            cons = {"type": "eq", "fun": lambda w: 1 - sum(w)}
-            A, b, c = GG.numpy(), x_start.copy(), (calpha * g0_norm + 1e-8).item()
-
-            def objfn(w, A=A, b=b, c=c):
-                return (
-                    w.reshape(1, -1).dot(A).dot(b.reshape(-1, 1))
-                    + c * np.sqrt(w.reshape(1, -1).dot(A).dot(w.reshape(-1, 1)) + 1e-8)
-                ).sum()
-
-            ww = torch.tensor(minimize(objfn, x_start, bounds=bnds, constraints=cons).x, dtype=torch.float64)
-            gw = (grads * ww.view(-1, 1)).sum(0)
-            g = grads.mean(0) + c / (gw.norm() + 1e-8) * gw
-            lib.reset_grad(g / (1 + calpha**2) if rescale == 1 else g)
+            lib.reset_grad(_libmtl_cagrad(lib.compute_grad(losses), calpha=0.5, rescale=1))
         elif method == "fairgrad":  # FairGrad.py 19-41, alpha 1
             grads = _autograd_grads(lib, list(losses))
             A = torch.mm(grads, grads.t()).data.cpu().numpy()
@@ -517,3 +522,38 @@ def test_a_batch_too_small_for_three_draws_is_refused_before_anything_is_written
         train(cfg)
     assert err.value.key == key
     assert not (out / "checkpoints").exists() and not (out / "csv").exists()
+
+
+@pytest.mark.parametrize("norm_eps, stalls", [(None, False), (1e-4, True)])
+def test_cagrad_moves_where_torchjds_cut_would_stop_it(norm_eps, stalls):
+    """The two-objective toy's point where torchjd's CAGrad stalls for good (benchmarks/balancer_toy.py --papers, from
+    the start (9, 9): docs/balancers.md): ‖∇f2‖ = 1242, ‖∇f1‖ = 0.06, CAGrad's direction g_w = ∇f1. torchjd's
+    norm_eps 1e-4 cuts the update to zero (‖g_w‖ < 1e-4·√Σ‖gᵢ‖²); the shipped default (1e-12) gives the paper's
+    update (Algorithm 1: ḡ + c‖ḡ‖·g_w/‖g_w‖ at the exact minimiser w, found here on a 1-D bracket). LibMTL's and the
+    official code's SLSQP stop at their start w = (½, ½) on this Gramian (objective 5.8e5, the minimum 24.8)."""
+    from omegaconf import OmegaConf
+    from scipy.optimize import minimize_scalar
+
+    from multiloss.balancers.build import build_balancer
+    from multiloss.testing import balancer_backward, compose
+
+    rows = torch.tensor([[0.00917452946305275, 0.05913855880498886], [1241.5787353515625, 17.561588287353516]]).double()
+    net = torch.nn.Module()
+    net.x = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    extra = [] if norm_eps is None else [f"model.balancer.aggregator.norm_eps={norm_eps}"]
+    spec = OmegaConf.to_container(compose("recipe=weighted", "balancer=cagrad", *extra).model.balancer, resolve=True)
+    balancer = build_balancer(spec, ["f1", "f2"], [1.0, 1.0], net, "model.balancer")
+    balancer_backward(balancer, {"f1": rows[0] @ net.x, "f2": rows[1] @ net.x}, net)
+    if stalls:
+        assert not net.x.grad.any()
+        return
+    mean, c = rows.mean(0), 0.5  # the shipped c
+
+    def objective(t: float) -> float:
+        g_w = t * rows[0] + (1 - t) * rows[1]
+        return float(g_w @ mean + c * mean.norm() * g_w.norm())
+
+    t = minimize_scalar(objective, bounds=(0, 1), method="bounded", options={"xatol": 1e-12}).x
+    g_w = t * rows[0] + (1 - t) * rows[1]
+    expected = mean + c * mean.norm() / g_w.norm() * g_w  # torchjd's Clarabel: 1.4e-4 from it on this Gramian
+    torch.testing.assert_close(net.x.grad, expected, rtol=1e-3, atol=0)
