@@ -132,21 +132,6 @@ def run(
     return path, front_distance(net.x), time.perf_counter() - began
 
 
-class _done:
-    """A finished future: a kept result."""
-
-    def __init__(self, value) -> None:
-        self._value = value
-
-    def result(self):
-        return self._value
-
-
-def _now(fn, *args) -> _done:
-    """The call made at once (``--jobs 1``)."""
-    return _done(fn(*args))
-
-
 def draw(paths: dict[str, list[list[tuple[float, float]]]], reached: dict[str, list[bool]], out: Path) -> None:
     import matplotlib
 
@@ -203,32 +188,29 @@ def main() -> None:
         max_norm.update(PAPERS["max_norm"])
     args.methods = args.methods or suited
     torch.set_num_threads(1)
-    spawn = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(args.jobs, spawn) if args.jobs > 1 else None
     kept = {m: [tuple(r) for r in runs] for f in args.load for m, runs in json.loads(f.read_text()).items()}
-    pending = {
-        (method, s): (pool.submit if pool else _now)(
-            run, method, s, args.steps, args.lr, overrides.get(method, []), max_norm.get(method)
-        )
-        for method in args.methods
-        if method not in kept
-        for s in STARTS
-    }
-    for method, runs in kept.items():
-        pending.update({(method, s): _done(r) for s, r in zip(STARTS, runs, strict=True)})
+    with ProcessPoolExecutor(args.jobs, multiprocessing.get_context("spawn")) as pool:
+        futures = {
+            (method, s): pool.submit(
+                run, method, s, args.steps, args.lr, overrides.get(method, []), max_norm.get(method)
+            )
+            for method in args.methods
+            if method not in kept
+            for s in STARTS
+        }
+        done = {key: future.result() for key, future in futures.items()}
+    done.update({(method, s): r for method, runs in kept.items() for s, r in zip(STARTS, runs, strict=True)})
     args.methods = list(dict.fromkeys([*args.methods, *kept]))
     paths, reached, rows = {}, {}, []
     for method in args.methods:
-        runs = [pending[method, s].result() for s in STARTS]
+        runs = [done[method, s] for s in STARTS]
         paths[method] = [p for p, _, _ in runs]
         reached[method] = [d <= args.tol for _, d, _ in runs]
         final = [toy(torch.tensor(p[-1])).tolist() for p in paths[method]]
         rows.append((method, runs, final, sum(t for _, _, t in runs)))
         print(f"{method}: {sum(reached[method])}/5 in {rows[-1][3]:.0f} s", flush=True)
-    if pool:
-        pool.shutdown()
     if args.save:
-        args.save.write_text(json.dumps({m: [pending[m, s].result() for s in STARTS] for m in args.methods}))
+        args.save.write_text(json.dumps({m: [done[m, s] for s in STARTS] for m in args.methods}))
     print(
         f"\n{args.steps} Adam steps at lr {args.lr}; reached = the losses within {args.tol} of the Pareto front"
         " at the end\n"
