@@ -308,7 +308,7 @@ class GanStep(PlainStep):
             loss_d = -D(real).mean() + D(fake).mean()
             x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
             (grad,) = torch.autograd.grad(D(x_hat).sum(), x_hat, create_graph=True)
-            loss_d = loss_d + m.penalty_weight * ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+            loss_d = loss_d + m.penalties["gp"] * ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
         self.calls.zero_grad(self.opt_d)
         self.calls.backward(loss_d)
         self.stepped(self.opt_d)

@@ -7,7 +7,7 @@
 Each launch is ``python train.py ...`` in a fresh process, timed from the launch:
 
 - **config error**: until the process has exited on a mistake in the config — a value a component refuses
-  (``data.batch_size=0``), the GAN's single penalty given two, a misspelled key (Hydra's own error), a misspelled
+  (``data.batch_size=0``), a GAN penalty misspelled, a misspelled key (Hydra's own error), a misspelled
   recipe;
 - **--help**: until it has printed the recipes and the config groups;
 - **first step**: until Lightning's first ``on_train_batch_start`` on rank zero (composition, the checks, the
@@ -41,7 +41,7 @@ RECIPES = ("multihead", "weighted", "gan", "tbptt", "accumulation")
 ENGINES = ("cpu", "ddp_cpu", "fsdp_cpu")
 CONFIG_ERRORS = {
     "a value refused (data.batch_size=0)": ("data.batch_size=0",),
-    "the GAN's penalty given two": ("recipe=gan", "model.loss=relativistic", "model.penalty=[r1,r2]"),
+    "a penalty misspelled (model.penalty=[r1,r3])": ("recipe=gan", "model.loss=relativistic", "model.penalty=[r1,r3]"),
     "a misspelled key (model.head_weight)": ("model.head_weight=[1,1,1]",),
     "a misspelled recipe (recipe=multihed)": ("recipe=multihed",),
 }

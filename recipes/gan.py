@@ -66,10 +66,11 @@ from multiloss.gan.objectives import (
     penalty,
 )
 from multiloss.gan.objectives import generator_loss as generator_loss_of
-from multiloss.gan.options import check_options, penalty_of
+from multiloss.gan.options import build_path_length, check_options, penalty_of
 from multiloss.gan.phases import DMicroBatch, generator_steps_after
+from multiloss.gan.schedules import betas_at, build_schedules, check_schedules
 from multiloss.parallel.ddp import synced
-from multiloss.saving.saved_state import D_STEPS_KEY, NOISE_KEY
+from multiloss.saving.saved_state import D_STEPS_KEY, G_STEPS_KEY, IMAGES_KEY, NOISE_KEY
 
 
 class GAN(Recipe):
@@ -119,9 +120,12 @@ class GAN(Recipe):
         d_optimizer: Any = None,
         loss: Literal["nonsaturating", "bce", "wgan-gp", "hinge", "lsgan", "relativistic"] = "nonsaturating",
         n_critic: int = 1,
-        penalty: Literal["gp", "r1", "r2", "none"] = "none",
-        penalty_weight: float = 0.0,
+        penalty: str | list[str] = "none",
+        penalty_weight: float | list[float] = 0.0,
         penalty_every: int = 1,
+        g_reg_every: int = 1,
+        path_length: dict[str, Any] | None = None,
+        schedules: dict[str, Any] | None = None,
         latent_dim: int = 2,
         data_dim: int = 2,
         n_plot_samples: int = 1000,
@@ -135,13 +139,13 @@ class GAN(Recipe):
         **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         super().__init__(**step_options)
-        penalty, penalty_weight = penalty_of(penalty, penalty_weight, gp_weight)
+        penalties = penalty_of(to_plain(penalty), to_plain(penalty_weight), gp_weight)
         check_options(
             loss=loss,
             n_critic=n_critic,
-            penalty=penalty,
-            penalty_weight=penalty_weight,
+            penalties=penalties,
             penalty_every=penalty_every,
+            g_reg_every=g_reg_every,
             latent_dim=latent_dim,
             data_dim=data_dim,
             n_plot_samples=n_plot_samples,
@@ -158,11 +162,14 @@ class GAN(Recipe):
         self.g_optimizer_factory = build_optimizer_factory(g_optimizer, "g_optimizer")
         self.d_optimizer_factory = build_optimizer_factory(d_optimizer, "d_optimizer")
         self.loss, self.n_critic = loss, n_critic
-        self.penalty, self.penalty_weight, self.penalty_every = penalty, penalty_weight, penalty_every
+        self.penalties, self.penalty_every = penalties, penalty_every  # name -> weight, in the order given
+        self.g_reg_every = g_reg_every
         self.latent_dim, self.n_plot_samples, self.noise_seed = latent_dim, n_plot_samples, noise_seed
         self.g_input, self.g_step_after = g_input, g_step_after
         self._d_micro: list[DMicroBatch] = []  # the D step's micro-batches so far (same_z, relativistic, lazy)
         self.d_steps = 0  # D's (counted) steps so far, checkpointed: the lazy penalty's phase
+        self.g_steps = 0  # G's steps so far, checkpointed: the lazy path length's phase
+        self.images_seen = 0  # real images D has trained on (all ranks), checkpointed: the schedules' clock
         self.noise_stream = NoiseStream(noise_seed)  # the training noise (multiloss.gan.noise)
 
         self.generator = build_module(generator, "generator")
@@ -173,6 +180,10 @@ class GAN(Recipe):
         if self.generator_ema is not None:
             self.components = (*self.components, "generator_ema")
         self.augment = build_augment(to_plain(augment))  # what D sees in training (multiloss.gan.augment)
+        # G's lazy regularization (multiloss.gan.path_length): its options and running mean, in every checkpoint.
+        self.path_length = build_path_length(to_plain(path_length), g_reg_every)
+        self.schedules = build_schedules(to_plain(schedules))  # over images seen (multiloss.gan.schedules)
+        check_schedules(self.schedules, penalties=bool(penalties), ema=self.generator_ema, augment=self.augment)
         self.metrics_spec = to_plain(metrics)
         check_quality_options(self.metrics_spec)
         self.scores = ValidationScores(self.metrics_spec, noise_seed)  # beyond the losses (built at setup)
@@ -180,26 +191,43 @@ class GAN(Recipe):
         self._eval_noise: torch.Generator | None = None  # set at every validation epoch's start
 
     def held_whole(self, trainer: L.Trainer) -> tuple[str, ...]:
-        # The penalty differentiates ∇D(x) again (create_graph): a double backward through the critic.
-        return ("discriminator",) if self.penalty != "none" else ()
+        # A penalty differentiates ∇D(x) again (create_graph): a double backward through the critic; path length
+        # one through the generator.
+        return (*(("discriminator",) if self.penalties else ()), *(("generator",) if self.path_length else ()))
 
     def not_compilable(self, name: str) -> str:
-        if name == "discriminator" and self.penalty != "none":
+        if name == "discriminator" and self.penalties:
             return "the gradient penalty differentiates its gradient, a double backward torch.compile does not support"
+        if name == "generator" and self.path_length is not None:
+            return "path length differentiates its gradient, a double backward torch.compile does not support"
         return ""
 
+    @property
+    def images_seen_clock(self) -> Any:
+        """The clock of the schedules over images (``scheduler=images``): the images D has trained on so far."""
+        return lambda: self.images_seen
+
     def lr_rule(self, optimizer: Any) -> tuple[float, dict[str, Any]]:
-        # The lazy penalty's extra D step: stylegan2-ada's lr × N/(N+1) (its betas: configure_optimizers).
-        if self.penalty_every > 1 and optimizer.param_groups[0].get("name") == "discriminator":
-            return lazy_ratio(self.penalty_every), {"model.penalty_every": self.penalty_every}
-        return 1.0, {}
+        # A lazy regularization's extra step: stylegan2-ada's lr × N/(N+1) (its betas: configure_optimizers).
+        key, every = self.lazy_interval(optimizer.param_groups[0].get("name"))
+        return (lazy_ratio(every), {key: every}) if every > 1 else (1.0, {})
+
+    def lazy_interval(self, network: str | None) -> tuple[str, int]:
+        """The key and interval N of ``network``'s lazy regularization: its Adam runs at lr·N/(N+1), betas^(N/(N+1))
+        (stylegan2-ada corrects G's at ``G_reg_interval=4`` even with no path length: training_loop.py 106, 201-205)."""
+        return (
+            ("model.g_reg_every", self.g_reg_every)
+            if network == "generator"
+            else ("model.penalty_every", self.penalty_every)
+        )
 
     def configure_optimizers(self) -> list[Any]:
         # Named param groups: LearningRateMonitor logs `lr-<Optimizer>/generator` and `.../discriminator`.
         opt_g = self.optimizer_of(self.g_optimizer_factory, [self.param_group_of("generator")], "model.g_optimizer")
         opt_d = self.optimizer_of(self.d_optimizer_factory, [self.param_group_of("discriminator")], "model.d_optimizer")
-        if self.penalty_every > 1:
-            correct_betas(opt_d, lazy_ratio(self.penalty_every))
+        for optimizer, every in ((opt_g, self.g_reg_every), (opt_d, self.penalty_every)):
+            if every > 1:
+                correct_betas(optimizer, lazy_ratio(every))
         return [self.with_schedule(opt_g, "model.g_optimizer"), self.with_schedule(opt_d, "model.d_optimizer")]
 
     def param_group_of(self, name: str) -> dict[str, Any]:
@@ -212,7 +240,7 @@ class GAN(Recipe):
         require_keys(batch, ("x",), "the real samples")
         real = batch["x"]
         names = (self.component_name("generator"), self.component_name("discriminator"))
-        check_networks(self.generator, self.discriminator, names, real, self.latent_dim, self.loss, self.penalty)
+        check_networks(self.generator, self.discriminator, names, real, self.latent_dim, self.loss, self.penalties)
         self.sample_shape = tuple(real.shape[1:])
         if self.augment is not None:
             self.augment.set_sample_shape(self.sample_shape)
@@ -252,10 +280,14 @@ class GAN(Recipe):
         if (state := self.noise_stream.state()) is not None:
             checkpoint[NOISE_KEY] = state
         checkpoint[D_STEPS_KEY] = self.d_steps
+        checkpoint[G_STEPS_KEY] = self.g_steps
+        checkpoint[IMAGES_KEY] = self.images_seen
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.noise_stream.load(checkpoint.get(NOISE_KEY))
         self.d_steps = checkpoint.get(D_STEPS_KEY, 0)  # (older checkpoints: none taken before the lazy penalty)
+        self.g_steps = checkpoint.get(G_STEPS_KEY, 0)
+        self.images_seen = checkpoint.get(IMAGES_KEY, 0)
 
     def discriminator_losses(
         self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None, *, with_penalty: bool = True
@@ -265,12 +297,10 @@ class GAN(Recipe):
         # Through D's own DDP wrapper (when there is one): this backward's D gradients are averaged across ranks, and it
         # reaches no other parameters. In training D sees augmented samples (validation scores the plain ones).
         critic = self.seen_by(synced(self, "discriminator")) if with_penalty else synced(self, "discriminator")
-        taken = self.penalty if with_penalty and self.penalty_every == 1 else "none"
+        taken = self.penalties if with_penalty and self.penalty_every == 1 else {}
         observing = with_penalty and self.adaptive_augmentation  # ADA's r_t counts D's scores of the reals
         observe = (lambda scores: self.augment.observe_scores(scores, self._sum_over_ranks)) if observing else None
-        return discriminator_loss(
-            self.loss, critic, real, fake, eps, taken, self.penalty_weight, self.scaler(), observe
-        )
+        return discriminator_loss(self.loss, critic, real, fake, eps, taken, self.scaler(), observe)
 
     def scaler(self) -> Any:
         """The GradScaler under ``16-mixed`` (the penalty's input gradient is taken on scaled scores), else None."""
@@ -293,6 +323,7 @@ class GAN(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch, (opt_g, opt_d) = self.prepare_batch(batch), self.optimizers()
         real = batch["x"]
+        self.apply_schedules(opt_g, opt_d)  # this batch's rate, β2, γ, half-life, p from the images seen so far
         g_steps = self.generator_steps_after(batch_idx)
         if g_steps and self.g_step_after == "before":  # stylegan2-ada's order: Gmain, then Dmain (and Dreg)
             self.generator_step(opt_g, real)
@@ -309,14 +340,16 @@ class GAN(Recipe):
             fake = (kept if kept is not None else self.generator(z)).detach()
             d_losses = self.discriminator_losses(real, fake, eps)
             if self.loss == "bce":  # dcgan/main.py's two backward calls, real then fake (gradients summed in .grad)
-                term = self.penalty_weight * d_losses[self.penalty] if self.penalty in d_losses else 0
-                on_reals = self.penalty == "r1"  # R1 shares the reals' forward, whose graph the first backward frees
-                d_step.backward(d_losses["d_real"] + (term if on_reals else 0), sync=False)  # the second syncs the sum
-                d_step.backward(d_losses["d_fake"] + (0 if on_reals else term))
+                # R1 shares the reals' forward, whose graph the first backward frees: it goes with the reals.
+                terms = {name: weight * d_losses[name] for name, weight in self.penalties.items() if name in d_losses}
+                on_reals = terms.pop("r1", 0)
+                d_step.backward(d_losses["d_real"] + on_reals, sync=False)  # the second syncs the sum
+                d_step.backward(d_losses["d_fake"] + sum(terms.values()))
             else:
                 d_step.backward(d_losses["d"])
             self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
             self._d_micro.append(DMicroBatch(z, real, fake, eps))
+            self.images_seen += len(real) * self.trainer.world_size
             if self.generator_ema is not None:
                 self.generator_ema.count(len(real) * self.trainer.world_size)
         if d_step.stepping:
@@ -348,24 +381,74 @@ class GAN(Recipe):
                 g_losses.append(g_loss.detach())
             if g_losses:
                 self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
+        if g_steps:
+            self.lazy_path_length_step(opt_g, len(real))
+            self.g_steps += 1
+
+    def lazy_path_length_step(self, opt_g: Any, n: int) -> None:
+        """stylegan2-ada's ``Greg`` (``model.path_length``): after every ``g_reg_every``-th G step (from the first),
+        one more G step of the path-length penalty alone, times ``g_reg_every``, on fresh latents (``n //
+        batch_shrink`` a micro-batch); not counted in ``trainer.global_step``, moving no schedule."""
+        if self.path_length is None or self.g_steps % self.g_reg_every:
+            return
+        with self.step_of(opt_g, stepping=True, components=("generator",), toggle=True, counted=False) as reg:
+            values = []
+            k = self.accumulate_grad_batches
+            for _ in reg.micro_batches(k):
+                z, _ = self.noise(max(1, n // self.path_length.batch_shrink))
+                loss, value = self.path_length.loss(
+                    self.generator, synced(self, "generator"), z, self._rows, self._sum_over_ranks
+                )
+                reg.backward(self.g_reg_every * loss / k, scaled=True)
+                values.append(value)
+            self.log_losses({"path_length": torch.stack(values).mean()}, batch_size=n)
+
+    def apply_schedules(self, opt_g: Any, opt_d: Any) -> None:
+        """R3GAN's per-iteration values from the images seen so far (`multiloss.gan.schedules`): the rate of an
+        ``images`` schedule (``scheduler=images``: stepped here, the rate's one owner), then ``model.schedules``' γ,
+        β2, G_ema half-life and augmentation p."""
+        if self.attached_trainer is not None:
+            for config in self.trainer.lr_scheduler_configs:
+                if getattr(config.scheduler, "interval", None) == "images":
+                    config.scheduler.step()
+        if not self.schedules:
+            return
+        images, curves = self.images_seen, self.schedules
+        if "gamma" in curves:
+            gamma = curves["gamma"](images)
+            self.penalties = dict.fromkeys(self.penalties, gamma)
+        for optimizer, network in ((opt_g, "generator"), (opt_d, "discriminator")):
+            if (beta2 := betas_at(curves, network, images)) is not None:
+                _, every = self.lazy_interval(network)
+                for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+                    group["betas"] = (group["betas"][0], beta2 ** lazy_ratio(every) if every > 1 else beta2)
+        if "ema_half_life" in curves:
+            self.generator_ema.half_life_images = curves["ema_half_life"](images)
+        if "augment_p" in curves:
+            self.augment.p.fill_(curves["augment_p"](images))
 
     def lazy_penalty_step(self, opt_d: Any) -> None:
-        """stylegan2-ada's ``Dreg`` (``penalty_every`` = N > 1): after every N-th D step, one more D step of the penalty
-        alone, times N, on that step's micro-batches; not counted in ``trainer.global_step``, moving no schedule."""
+        """stylegan2-ada's ``Dreg`` (``penalty_every`` = N > 1): after every N-th D step, one more D step of the
+        penalties alone, times N, on that step's micro-batches; not counted in ``trainer.global_step``, moving no
+        schedule."""
         if self.penalty_every == 1 or self.d_steps % self.penalty_every:
             return
         with self.step_of(opt_d, stepping=True, components=("discriminator",), toggle=True, counted=False) as reg:
-            values = []
+            values: dict[str, list[torch.Tensor]] = {name: [] for name in self.penalties}
             for micro in reg.micro_batches(len(self._d_micro)):
                 kept = self._d_micro[micro]
-                critic = self.seen_by(synced(self, "discriminator"))
-                if self.penalty == "r1" and self.adaptive_augmentation:
-                    critic = self.augment.observing(critic, self._sum_over_ranks)
-                value = penalty(self.penalty, critic, kept.real, kept.fake, kept.eps, self.scaler())
+                total = 0
+                for name, weight in self.penalties.items():
+                    critic = self.seen_by(synced(self, "discriminator"))
+                    if name == "r1" and self.adaptive_augmentation:
+                        critic = self.augment.observing(critic, self._sum_over_ranks)
+                    value = penalty(name, critic, kept.real, kept.fake, kept.eps, self.scaler())
+                    total = total + weight * value
+                    values[name].append(value.detach())
                 # Divided by the micro-batches taken (an epoch's last D step may have fewer than k).
-                reg.backward(self.penalty_every * self.penalty_weight * value / len(self._d_micro), scaled=True)
-                values.append(value.detach())
-            self.log_losses({self.penalty: torch.stack(values).mean()}, batch_size=len(self._d_micro[0].real))
+                reg.backward(self.penalty_every * total / len(self._d_micro), scaled=True)
+            means = {name: torch.stack(taken).mean() for name, taken in values.items()}
+            self.log_losses(means, batch_size=len(self._d_micro[0].real))
 
     def generator_steps_after(self, batch_idx: int) -> bool:
         """Whether G steps in training batch ``batch_idx`` (`multiloss.gan.phases.generator_steps_after`)."""

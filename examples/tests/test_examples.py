@@ -176,7 +176,7 @@ def test_residual_gan_steps_equal_the_references(data, loss):
     with torch.no_grad():
         fake = module.generator(z)
     d_grads = testing.discriminator_gradients(
-        module.discriminator, real, fake, loss, module.penalty, module.penalty_weight, eps
+        module.discriminator, real, fake, loss, module.penalties, eps=eps
     )
     testing.assert_gradients_close(d_step, d_grads)
     stepped = testing.sgd_step(module.discriminator, d_grads, lr, prefix="discriminator.")

@@ -403,7 +403,7 @@ def discriminator_gradients(
     real: torch.Tensor,
     fake: torch.Tensor,
     loss: str = "nonsaturating",
-    penalty: str = "none",
+    penalty: str | dict[str, float] = "none",
     penalty_weight: float = 0.0,
     eps: torch.Tensor | None = None,
     prefix: str = "discriminator.",
@@ -411,7 +411,7 @@ def discriminator_gradients(
     """D's step on detached fakes, written from the papers' formulas: nonsaturating −log σ(D(x)) − log(1 − σ(D(G(z))));
     wgan-gp D(G(z)) − D(x); hinge max(0, 1 − D(x)) + max(0, 1 + D(G(z))); lsgan ½(D(x) − 1)² + ½D(G(z))²;
     relativistic −log σ(D(x) − D(G(z))) row by row; + λ·(‖∇D(x̂)‖ − 1)² (gp), γ/2·‖∇D(x)‖² (r1) or γ/2·‖∇D(G(z))‖²
-    (r2)."""
+    (r2). ``penalty``: one name at ``penalty_weight``, or several, name → weight (a GAN module's ``penalties``)."""
     D = copy.deepcopy(discriminator)
     D.zero_grad(set_to_none=True)
     fake = fake.detach()
@@ -423,19 +423,20 @@ def discriminator_gradients(
         "relativistic": lambda: -torch.log(torch.sigmoid(d_real - d_fake)).mean(),
         "nonsaturating": lambda: -torch.log(torch.sigmoid(d_real)).mean() - torch.log(1 - torch.sigmoid(d_fake)).mean(),
     }[loss]()
-    if penalty != "none":
-        if penalty == "gp":
+    penalties = penalty if isinstance(penalty, dict) else ({} if penalty == "none" else {penalty: penalty_weight})
+    for name, weight in penalties.items():
+        if name == "gp":
             assert eps is not None, "the gradient penalty needs ε"
             e = eps.reshape(-1, *[1] * (real.dim() - 1))
             at = e * real + (1 - e) * fake
         else:
-            at = real if penalty == "r1" else fake
+            at = real if name == "r1" else fake
         at = at.detach().requires_grad_(True)
         scores = D(at)
         (grad,) = torch.autograd.grad(scores, at, grad_outputs=torch.ones_like(scores), create_graph=True)
         norms = grad.reshape(len(grad), -1).pow(2).sum(dim=1)
-        value = ((norms.sqrt() - 1) ** 2).mean() if penalty == "gp" else norms.mean() / 2
-        total = total + penalty_weight * value
+        value = ((norms.sqrt() - 1) ** 2).mean() if name == "gp" else norms.mean() / 2
+        total = total + weight * value
     total.backward()
     return _grads(D, prefix)
 

@@ -190,7 +190,7 @@ def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
     with torch.no_grad():
         fake = model.generator(z)
     d_grads = testing.discriminator_gradients(
-        model.discriminator, real, fake, model.loss, model.penalty, model.penalty_weight, eps
+        model.discriminator, real, fake, model.loss, model.penalties, eps=eps
     )
     testing.assert_gradients_close(d_step, d_grads, atol=1e-6)
     stepped_d = testing.sgd_step(model.discriminator, d_grads, lr, prefix="discriminator.")

@@ -2,24 +2,28 @@
 
 The reference transcribes NVlabs/stylegan2-ada-pytorch at d72cc7d041b42ec8e806021a205ed9349f87c6a4:
 
-- ``training/training_loop.py`` 197-208 (the phases: ``Gmain``; ``Dmain`` and ``Dreg`` at ``D_reg_interval`` 16,
-  D's Adam built with ``lr * mb_ratio`` and ``beta ** mb_ratio``; ``G_reg_interval=None`` here: no path-length
-  phase, G's Adam as configured), 270-291 (each phase: ``zero_grad``, ``requires_grad_(True)`` on its module only,
-  its loss's backward with ``gain = phase.interval``, ``opt.step()``; a phase runs when ``batch_idx %
-  phase.interval == 0``), 296-308 (G_ema: ``ema_nimg = min(ema_kimg * 1000, cur_nimg * ema_rampup)``, ``ema_beta
+- ``training/training_loop.py`` 197-208 (the phases: ``Gmain`` and ``Greg`` at ``G_reg_interval`` (None: ``Gboth``
+  without path length, G's Adam as configured; 4: G's Adam corrected, with or without path length), ``Dmain`` and
+  ``Dreg`` at ``D_reg_interval`` 16, each lazy module's Adam built with ``lr * mb_ratio`` and ``beta ** mb_ratio``),
+  270-292 (each phase: ``zero_grad``, ``requires_grad_(True)`` on its module only, its loss's backward with ``gain =
+  phase.interval``, the gradients' ``nan_to_num``, ``opt.step()``; a phase runs when ``batch_idx % phase.interval
+  == 0``), 296-308 (G_ema: ``ema_nimg = min(ema_kimg * 1000, cur_nimg * ema_rampup)``, ``ema_beta
   = 0.5 ** (batch_size / ema_nimg)``, ``p_ema.copy_(p.lerp(p_ema, ema_beta))``, buffers copied; then ``cur_nimg +=
   batch_size``);
-- ``training/loss.py`` 57-131 (``accumulate_gradients``: Gmain softplus(−D(G(z))); Dmain softplus(D(G(z))) then
-  softplus(−D(x)), two backward calls; Dreg ``r1_penalty * (r1_gamma / 2)`` on ∇ₓΣD(x) with ``create_graph``,
-  ``(real_logits * 0 + loss_Dr1).mean().mul(gain)``; ``training_stats.report('Loss/signs/real', ...)`` in Dmain
-  and Dreg); style mixing, the augment pipe's transforms and path length left out (the recipe's options for
-  augmentation: ``model.augment``; path length is not ported);
+- ``training/loss.py`` 38-131 (``run_G``: mapping then synthesis, style mixing off; ``run_D`` through the augment
+  pipe; ``accumulate_gradients``: Gmain softplus(−D(G(z))); Gpl 77-92, path length on the mapping's output with
+  ``pl_batch_shrink``, ``pl_decay``, ``pl_weight``; Dmain softplus(D(G(z))) then softplus(−D(x)), two backward
+  calls; Dreg ``r1_penalty * (r1_gamma / 2)`` on ∇ₓΣD(x) with ``create_graph``, ``(real_logits * 0 +
+  loss_Dr1).mean().mul(gain)``; ``training_stats.report('Loss/signs/real', ...)`` in Dmain and Dreg); the augment
+  pipe is one transform here (a left-right flip of each image drawn with probability p, the recipe's
+  ``model.augment.transform``), where stylegan2-ada's AugmentPipe chains 18 with p each;
 - ``training/training_loop.py`` 311-317 (the ADA heuristic, after ``batch_idx += 1``: every ``ada_interval``
   batches, p += sign(mean of the reported signs − ``ada_target``) · batch · interval / (``ada_kimg`` · 1000), at
-  least 0), run with an augmentation that leaves the images unchanged, so that the nets stay the loop's.
+  least 0; p a float32 tensor as ``augment_pipe.p``).
 
-One round per phase (stylegan2-ada's ``batch_gpu`` = the batch); the noise is the recipe's (drawn as
-`multiloss.testing.gan_noise` draws it) where stylegan2-ada draws ``torch.randn`` per phase.
+One round per phase (stylegan2-ada's ``batch_gpu`` = the batch); the random numbers are the recipe's (each phase's
+z, the path-length noise, the augmentation's draws, recorded from its noise stream) where stylegan2-ada draws
+``torch.randn`` per phase.
 
 The recipe's options that make this loop: ``model.loss=nonsaturating model.penalty=r1
 model.penalty_weight=<r1_gamma> model.penalty_every=16 model.g_step_after=before model.n_critic=1
@@ -45,6 +49,7 @@ from tests.conftest import BARE
 
 BATCH, LATENT, ITERATIONS = 32, 16, 34
 R1_GAMMA, D_REG_INTERVAL, EMA_KIMG, EMA_RAMPUP, LR = 0.5, 16, 0.4, 0.05, 0.0025
+PL_WEIGHT, PL_DECAY, PL_BATCH_SHRINK = 2.0, 0.01, 2  # stylegan2-ada's defaults (loss.py 24)
 
 
 class ConvGenerator(nn.Module):
@@ -59,6 +64,18 @@ class ConvGenerator(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.up(self.fc(z).view(-1, 16, 2, 2)).flatten(1)
+
+
+class MappedGenerator(nn.Module):
+    """StyleGAN's split: ``mapping`` z → w (an MLP), ``synthesis`` w → the image (`ConvGenerator` on w)."""
+
+    def __init__(self, latent_dim: int = LATENT) -> None:
+        super().__init__()
+        self.mapping = nn.Sequential(nn.Linear(latent_dim, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16))
+        self.synthesis = ConvGenerator(16)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.synthesis(self.mapping(z))
 
 
 class ConvDiscriminator(nn.Module):
@@ -108,26 +125,81 @@ RECIPE = (
 )
 
 
-def _accumulate_gradients(phase, G, D, real_img, gen_z, gain, signs=None):
-    """training/loss.py ``StyleGAN2Loss.accumulate_gradients``, the phases used here; ``signs``: where its
-    ``training_stats.report('Loss/signs/real', real_logits.sign())`` goes (Dmain's and Dreg's)."""
+def xflip(images: torch.Tensor) -> torch.Tensor:
+    """A real augmentation: each image mirrored left-right (what D sees changes with p)."""
+    return images.flip(-1)
+
+
+class Draws:
+    """The recipe's random numbers in the order it drew them, by width: z rows (LATENT + 1), the augmentation's
+    uniforms (1), the path-length noise (64)."""
+
+    def __init__(self, recorded: list[tuple[int, torch.Tensor]]) -> None:
+        self.queues = {}
+        for width, rows in recorded:
+            self.queues.setdefault(width, []).append(rows)
+
+    def next(self, width: int) -> torch.Tensor:
+        return self.queues[width].pop(0)
+
+
+def _run_D(D, img, draws, p):
+    """loss.py ``run_D``: through the augment pipe (an x-flip with probability p, its uniform the recipe's)."""
+    if draws is None or p is None:
+        return D(img)
+    u = torch.special.ndtr(draws.next(1))
+    images = img.view(-1, 1, 8, 8)
+    keep = ((u < p) | (p >= 1)).to(img.dtype).view(-1, 1, 1, 1)
+    return D((keep * xflip(images) + (1 - keep) * images).reshape(img.shape))
+
+
+def _run_G(G, z):
+    """loss.py ``run_G`` 38-48, style mixing off: (img, ws); ws = z for a generator without mapping."""
+    if isinstance(G, MappedGenerator):
+        ws = G.mapping(z).unsqueeze(1)  # (N, num_ws = 1, w_dim), the layout loss.py reads
+        return G.synthesis(ws[:, 0]), ws
+    return G(z), None
+
+
+def _accumulate_gradients(phase, G, D, real_img, gen_z, gain, state):
+    """training/loss.py ``StyleGAN2Loss.accumulate_gradients`` 57-131, the phases used here; ``state``: the signs
+    reported (``Loss/signs/real``), ``pl_mean``, the draws and ADA's p."""
+    draws, p = state["draws"], state["p"]
     do_Gmain = phase in ["Gmain", "Gboth"]
     do_Dmain = phase in ["Dmain", "Dboth"]
+    do_Gpl = phase in ["Greg", "Gboth"] and state["pl_weight"] != 0
     do_Dr1 = phase in ["Dreg", "Dboth"] and R1_GAMMA != 0
     if do_Gmain:
-        gen_logits = D(G(gen_z))
+        gen_img, _gen_ws = _run_G(G, gen_z)
+        gen_logits = _run_D(D, gen_img, draws, p)
         loss_Gmain = F.softplus(-gen_logits)  # -log(sigmoid(gen_logits))
         loss_Gmain.mean().mul(gain).backward()
-    loss_Dgen = 0
-    if do_Dmain:
-        gen_logits = D(G(gen_z))
+    if do_Gpl:
+        batch_size = gen_z.shape[0]  # (the recipe's Greg draws gen_z[:batch // pl_batch_shrink] itself)
+        gen_img, gen_ws = _run_G(G, gen_z[:batch_size])
+        gen_img = gen_img.view(-1, 1, 8, 8)
+        pl_noise = draws.next(64).view_as(gen_img) / np.sqrt(gen_img.shape[2] * gen_img.shape[3])
+        pl_grads = torch.autograd.grad(
+            outputs=[(gen_img * pl_noise).sum()], inputs=[gen_ws], create_graph=True, only_inputs=True
+        )[0]
+        pl_lengths = pl_grads.square().sum(2).mean(1).sqrt()
+        pl_mean = state["pl_mean"].lerp(pl_lengths.mean(), PL_DECAY)
+        state["pl_mean"].copy_(pl_mean.detach())
+        pl_penalty = (pl_lengths - pl_mean).square()
+        loss_Gpl = pl_penalty * state["pl_weight"]
+        (gen_img[:, 0, 0, 0] * 0 + loss_Gpl).mean().mul(gain).backward()
+    if do_Dmain:  # (the recipe scores the reals first: their draws come first)
+        u_real = draws.next(1) if draws is not None and p is not None else None
+        gen_img, _ = _run_G(G, gen_z)
+        gen_logits = _run_D(D, gen_img, draws, p)
         loss_Dgen = F.softplus(gen_logits)  # -log(1 - sigmoid(gen_logits))
         loss_Dgen.mean().mul(gain).backward()
+        if u_real is not None:
+            draws.queues[1].insert(0, u_real)
     if do_Dmain or do_Dr1:
         real_img_tmp = real_img.detach().requires_grad_(do_Dr1)
-        real_logits = D(real_img_tmp)
-        if signs is not None:
-            signs.append(real_logits.detach().sign())
+        real_logits = _run_D(D, real_img_tmp, draws, p)
+        state["signs"].append(real_logits.detach().sign())
         loss_Dreal = 0
         if do_Dmain:
             loss_Dreal = F.softplus(-real_logits)  # -log(sigmoid(real_logits))
@@ -154,31 +226,38 @@ def stylegan_ema_update(G_ema, G, cur_nimg: int, batch_size: int, ema_kimg: floa
             b_ema.copy_(b)
 
 
-def _stylegan2_ada_loop(G, D, reals, noise, ada=None):
-    """training/training_loop.py, the phases and the G_ema update, one round per phase; ``noise[i]``: the i-th
-    phase's z. ``ada`` = (p, target, interval, kimg): its heuristic after each batch (with an augment pipe that
-    leaves the images as they are), the p after each batch returned as well."""
+def _stylegan2_ada_loop(G, D, reals, zs, draws=None, ada=None, G_reg_interval=None, pl_weight=0.0):
+    """training/training_loop.py, the phases and the G_ema update, one round per phase; ``zs``: every z G was called
+    on, in the recipe's order (Gmain's, Greg's, Dmain's). ``ada`` = (p, target, interval, kimg): its heuristic
+    after each batch, D seeing x-flipped images with probability p; p after each batch returned as well."""
     G_ema = copy.deepcopy(G).eval()
     G.requires_grad_(False)
     D.requires_grad_(False)
-    opt_g = torch.optim.Adam(
-        G.parameters(), lr=LR, betas=[0.0, 0.99], eps=1e-8
-    )  # ([0,0.99] there: torch 2.13 wants floats)
-    phases = [{"name": "Gmain", "module": G, "opt": opt_g, "interval": 1}]
-    mb_ratio = D_REG_INTERVAL / (D_REG_INTERVAL + 1)
-    opt = torch.optim.Adam(D.parameters(), lr=LR * mb_ratio, betas=[beta**mb_ratio for beta in [0.0, 0.99]], eps=1e-8)
-    phases += [{"name": "Dmain", "module": D, "opt": opt, "interval": 1}]
-    phases += [{"name": "Dreg", "module": D, "opt": opt, "interval": D_REG_INTERVAL}]
-    cur_nimg, signs, p_after = 0, [], []
+    phases = []
+    for name, module, reg_interval in [("G", G, G_reg_interval), ("D", D, D_REG_INTERVAL)]:
+        if reg_interval is None:  # ([0,0.99] there: torch 2.13 wants floats)
+            opt = torch.optim.Adam(module.parameters(), lr=LR, betas=[0.0, 0.99], eps=1e-8)
+            phases += [{"name": name + "both", "module": module, "opt": opt, "interval": 1}]
+        else:  # Lazy regularization.
+            mb_ratio = reg_interval / (reg_interval + 1)
+            betas = [beta**mb_ratio for beta in [0.0, 0.99]]
+            opt = torch.optim.Adam(module.parameters(), lr=LR * mb_ratio, betas=betas, eps=1e-8)
+            phases += [{"name": name + "main", "module": module, "opt": opt, "interval": 1}]
+            phases += [{"name": name + "reg", "module": module, "opt": opt, "interval": reg_interval}]
+    p = None if ada is None else torch.tensor(ada[0], dtype=torch.float32)  # augment_pipe.p: a float32 buffer
+    state = {"signs": [], "pl_mean": torch.zeros([]), "draws": draws, "p": p, "pl_weight": pl_weight}
+    cur_nimg, p_after, zs = 0, [], list(zs)
     for batch_idx, real_img in enumerate(reals):
-        gen_z = {"Gmain": noise[2 * batch_idx], "Dmain": noise[2 * batch_idx + 1], "Dreg": None}
         for phase in phases:
             if batch_idx % phase["interval"] != 0:
                 continue
+            if phase["name"] == "Dreg" or (phase["name"] == "Greg" and pl_weight == 0):
+                z = None  # (a phase that runs no G: the recipe draws no z for it)
+            else:
+                z = zs.pop(0)
             phase["opt"].zero_grad(set_to_none=True)
             phase["module"].requires_grad_(True)
-            z = gen_z[phase["name"]]
-            _accumulate_gradients(phase["name"], G, D, real_img, z, gain=phase["interval"], signs=signs)
+            _accumulate_gradients(phase["name"], G, D, real_img, z, gain=phase["interval"], state=state)
             phase["module"].requires_grad_(False)
             for param in phase["module"].parameters():
                 if param.grad is not None:
@@ -187,44 +266,51 @@ def _stylegan2_ada_loop(G, D, reals, noise, ada=None):
         stylegan_ema_update(G_ema, G, cur_nimg, BATCH, EMA_KIMG, EMA_RAMPUP)
         cur_nimg += BATCH
         if ada is not None:  # 311-317, after ``batch_idx += 1``; ada_stats.update(): the mean since the last one
-            p, target, interval, kimg = ada
+            _, target, interval, kimg = ada
             if (batch_idx + 1) % interval == 0:
-                r_t = torch.cat(signs).mean().item()
+                r_t = torch.cat(state["signs"]).mean().item()
                 adjust = np.sign(r_t - target) * (BATCH * interval) / (kimg * 1000)
-                ada = (max(p + adjust, 0.0), target, interval, kimg)
-                signs = []
-            p_after.append(ada[0])
-    return G_ema, phases[0]["opt"], opt, (p_after, torch.cat(signs) if signs else torch.zeros(0))
-
-
-def unchanged(images: torch.Tensor) -> torch.Tensor:
-    """An augmentation that leaves the images as they are: ADA's p moves, what D sees does not."""
-    return images
+                state["p"] = (state["p"] + adjust).max(torch.tensor(0.0))
+                state["signs"] = []
+            p_after.append(state["p"].item())
+    assert not zs, "every z the recipe drew was used"
+    pending = torch.cat(state["signs"]) if state["signs"] else torch.zeros(0)
+    return G_ema, phases[0]["opt"], phases[-1]["opt"], {"p": p_after, "pending": pending, "pl_mean": state["pl_mean"]}
 
 
 class _Record(L.Callback):
-    """Each batch's reals, every z G is called on (its own step's, then D's), and ADA's p after the batch."""
+    """Each batch's reals, every z G is called on, every draw from the noise stream (width, rows), ADA's p after
+    the batch."""
 
     def __init__(self) -> None:
         self.reals: list[torch.Tensor] = []
         self.zs: list[torch.Tensor] = []
+        self.draws: list[tuple[int, torch.Tensor]] = []
         self.p: list[float] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         pl_module.generator.register_forward_pre_hook(lambda module, args: self.zs.append(args[0].detach().clone()))
+        rows = pl_module._rows
+
+        def recorded(n: int, width: int) -> torch.Tensor:
+            out = rows(n, width)
+            self.draws.append((width, out.clone()))
+            return out
+
+        pl_module._rows = recorded
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.reals.append(batch["x"].clone())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.augment is not None:
-            self.p.append(float(pl_module.augment.p))
+            self.p.append(pl_module.augment.p.item())
 
 
-def _recipe_and_reference(make_cfg, *options: str, ada=None) -> tuple:
+def _recipe_and_reference(make_cfg, *options: str, ada=None, G_reg_interval=None, pl_weight=0.0) -> tuple:
     """The recipe trained for ``ITERATIONS`` batches (the module, its trainer, what `_Record` saw), and the
-    reference loop run from its initial weights on its reals and its z (G, D, G_ema, the two Adams, p after each
-    batch)."""
+    reference loop run from its initial weights on its reals and its random numbers (G, D, G_ema, the two Adams, p
+    after each batch)."""
     cfg = make_cfg(*RECIPE, *options)
     check_config(cfg)
     datamodule, model = testing.build(cfg)
@@ -232,11 +318,13 @@ def _recipe_and_reference(make_cfg, *options: str, ada=None) -> tuple:
     record = _Record()
     trainer = instantiate(cfg.trainer, callbacks=[record], logger=False, enable_checkpointing=False)
     trainer.fit(model, datamodule=datamodule)
-    assert len(record.reals) == ITERATIONS and model.d_steps == ITERATIONS and len(record.zs) == 2 * ITERATIONS
-    return model, trainer, record, (G, D, *_stylegan2_ada_loop(G, D, record.reals, record.zs, ada))
+    assert len(record.reals) == ITERATIONS and model.d_steps == ITERATIONS
+    draws = Draws(record.draws)
+    reference = _stylegan2_ada_loop(G, D, record.reals, record.zs, draws, ada, G_reg_interval, pl_weight)
+    return model, trainer, record, (G, D, *reference)
 
 
-def _assert_equal_nets(model, trainer, G, D, G_ema, opt_g, opt_d) -> float:
+def _assert_equal_nets(model, trainer, G, D, G_ema, opt_g, opt_d, g_steps=ITERATIONS) -> float:
     """G, D, G_ema and both Adam states equal to 1e-6; the largest weight difference."""
     worst = 0.0
     for ours, ref in ((model.generator, G), (model.discriminator, D), (model.generator_ema.average, G_ema)):
@@ -244,13 +332,18 @@ def _assert_equal_nets(model, trainer, G, D, G_ema, opt_g, opt_d) -> float:
             worst = max(worst, (p.detach() - q.detach()).abs().max().item())
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=name)
     for ours, ref in zip(trainer.optimizers, (opt_g, opt_d), strict=True):
-        ours_state, ref_state = ours.state_dict()["state"], ref.state_dict()["state"]
-        assert ours_state.keys() == ref_state.keys()
-        for key in ref_state:
-            assert int(ours_state[key]["step"]) == int(ref_state[key]["step"])
+        ours_state, ref_state = ours.state_dict(), ref.state_dict()
+        assert ours_state["param_groups"][0]["lr"] == pytest.approx(ref_state["param_groups"][0]["lr"], rel=1e-12)
+        assert ours_state["param_groups"][0]["betas"] == pytest.approx(ref_state["param_groups"][0]["betas"])
+        assert ours_state["state"].keys() == ref_state["state"].keys()
+        for key in ref_state["state"]:
+            assert int(ours_state["state"][key]["step"]) == int(ref_state["state"][key]["step"])
             for moment in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(ours_state[key][moment], ref_state[key][moment], atol=1e-6, rtol=0)
+                torch.testing.assert_close(
+                    ours_state["state"][key][moment], ref_state["state"][key][moment], atol=1e-6, rtol=0
+                )
     assert int(opt_d.state_dict()["state"][0]["step"]) == ITERATIONS + 3  # D: 34 main steps and the 3 lazy ones
+    assert int(opt_g.state_dict()["state"][0]["step"]) == g_steps
     return worst
 
 
@@ -265,17 +358,52 @@ def test_the_recipe_equals_stylegan2_adas_loop(make_cfg):
     print(f"stylegan2-ada loop vs recipe, {ITERATIONS} iterations: largest weight difference {worst:.2g}")
 
 
+PATH_LENGTH = (
+    "model.g_reg_every=4",
+    f"+model.path_length.weight={PL_WEIGHT}",
+    f"+model.path_length.decay={PL_DECAY}",
+    f"+model.path_length.batch_shrink={PL_BATCH_SHRINK}",
+    "~model.generator",
+    f"+model.generator={{_target_: {__name__}.MappedGenerator}}",
+)
+
+
+def test_path_length_equals_stylegan2_adas_greg_phase(make_cfg):
+    """stylegan2-ada's four phases (Gmain, Greg every 4 on the mapping's output w, Dmain, Dreg every 16), 34
+    iterations: G, D, G_ema, both Adams (G's at lr·4/5, betas^(4/5): 34 main steps and 9 Greg steps) and pl_mean
+    equal the reference's to 1e-6; pl_mean moved."""
+    model, trainer, record, (G, D, G_ema, opt_g, opt_d, kept) = _recipe_and_reference(
+        make_cfg, *PATH_LENGTH, G_reg_interval=4, pl_weight=PL_WEIGHT
+    )
+    assert [len(z) for z in record.zs[:3]] == [BATCH, BATCH // PL_BATCH_SHRINK, BATCH]  # Gmain, Greg, Dmain
+    worst = _assert_equal_nets(model, trainer, G, D, G_ema, opt_g, opt_d, g_steps=ITERATIONS + 9)
+    assert model.path_length.pl_mean.item() == pytest.approx(kept["pl_mean"].item(), abs=1e-6)
+    assert model.path_length.pl_mean.item() > 0
+    print(f"stylegan2-ada with path length vs recipe: largest weight difference {worst:.2g}")
+
+
+def test_g_reg_every_alone_corrects_gs_adam_as_stylegan2_adas_cifar_config(make_cfg):
+    """``G_reg_interval=4`` with ``pl_weight=0`` (stylegan2-ada's cifar config): its Greg phase takes no gradient, but
+    G's Adam runs at lr·4/5 and betas^(4/5). ``model.g_reg_every=4`` alone: equal to 1e-6, no hand-made Adam."""
+    model, trainer, record, (G, D, G_ema, opt_g, opt_d, _) = _recipe_and_reference(
+        make_cfg, "model.g_reg_every=4", G_reg_interval=4, pl_weight=0.0
+    )
+    assert opt_g.param_groups[0]["lr"] == pytest.approx(LR * 4 / 5)
+    _assert_equal_nets(model, trainer, G, D, G_ema, opt_g, opt_d)
+
+
 ADA = (0.0, 0.6, 4, 1)  # stylegan2-ada's p = 0 start, ada_target, ada_interval; ada_kimg 1: steps of 0.128
 
 
 def test_adas_heuristic_equals_stylegan2_adas(make_cfg):
-    """ADA on the same loop, its augmentation one that leaves images unchanged (so the nets are the loop's as
-    above): p after every batch equals stylegan2-ada's heuristic (training_loop.py 311-317) fed the signs its
-    ``Dmain`` and ``Dreg`` phases report — 8 moves, after batches 4, 8, …, 32 — and it did move; the sums kept for
-    the next move are the reference's signs since its last (batch 33's Dmain and Dreg, batch 34's: 96)."""
+    """ADA on the same loop, D seeing each image x-flipped with probability p (a real augmentation: p feeds back
+    into what D sees and so into the signs that move p): p after every batch — a float32 as stylegan2-ada's — equals
+    its heuristic (training_loop.py 311-317) fed the signs its ``Dmain`` and ``Dreg`` phases report, 8 moves after
+    batches 4, 8, …, 32, and the nets equal the reference's to 1e-6; the sums kept for the next move are the
+    reference's signs since its last (batch 33's Dmain and Dreg, batch 34's: 96)."""
     p, target, interval, kimg = ADA
     options = (
-        f"+model.augment.transform={__name__}.unchanged",
+        f"+model.augment.transform={__name__}.xflip",
         f"+model.augment.p={p}",
         f"+model.augment.ada_target={target}",
         f"+model.augment.ada_interval={interval}",
@@ -283,7 +411,9 @@ def test_adas_heuristic_equals_stylegan2_adas(make_cfg):
     )
     model, trainer, record, (G, D, G_ema, opt_g, opt_d, ada) = _recipe_and_reference(make_cfg, *options, ada=ADA)
     _assert_equal_nets(model, trainer, G, D, G_ema, opt_g, opt_d)
-    p_ref, pending = ada
-    assert record.p == pytest.approx(p_ref, abs=1e-12)
+    p_ref, pending = ada["p"], ada["pending"]
+    assert model.augment.p.dtype == torch.float32
+    assert record.p == p_ref  # float32 values, bit for bit
     assert model.augment.signs.tolist() == [pending.sum().item(), len(pending)] and len(pending) == 3 * BATCH
     assert len(set(p_ref)) > 2 and p_ref[:3] == [p] * 3  # moved, and not before the 4th batch
+    assert max(p_ref) > 0  # so D saw flipped images in some batches

@@ -29,6 +29,7 @@ from multiloss.base.training_log import TrainingLogWriter
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
 from multiloss.components import compile_in_place, name_of, to_plain
+from multiloss.config import require
 from multiloss.parallel import sharding
 from multiloss.parallel.parallelism import Parallelism, parallelism_of
 
@@ -88,6 +89,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        clean_gradients: bool = False,
         scheduler: Any = None,
         compile: bool = False,
         fsdp: dict[str, Any] | None = None,
@@ -97,6 +99,8 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         self.automatic_optimization = False  # each step is the recipe's own training_step, visible end to end
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        require(isinstance(clean_gradients, bool), "clean_gradients", clean_gradients, "true or false")
+        self.clean_gradients = clean_gradients
         self.scheduler_spec = to_plain(scheduler)  # (the optimizer and its schedule: `RecipeOptimizers`)
         self.compile_components = bool(compile)
         self.fsdp = sharding.fsdp_options(fsdp)  # model.fsdp: shard, checkpoint (activation recomputation)
@@ -225,6 +229,22 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         return OptimizerStep(
             self, optimizer, stepping, components=components, toggle=toggle, batch_done=batch_done, counted=counted
         )
+
+    def cleaned_gradients(self, optimizer: Any) -> None:
+        """``model.clean_gradients``: stylegan2-ada's clean-up before every step (NVlabs/stylegan2-ada-pytorch
+        ``training/training_loop.py`` 289-291: ``nan_to_num(grad, nan=0, posinf=1e5, neginf=-1e5)`` in place) — NaN
+        to 0, ±inf to ±1e5, finite values kept (``misc.nan_to_num`` is ``torch.nan_to_num`` on torch ≥ 1.8; its
+        fallback for older torch, ``torch_utils/misc.py`` 49-56, also clamps finite values) — on the true gradients
+        under 16-mixed (unscaled first; the GradScaler
+        has already seen an inf there and skips that step as it would). Off: a non-finite gradient reaches the step,
+        and the non-finite guard (``nonfinite``) judges the loss."""
+        if not self.clean_gradients:
+            return
+        precision.unscale_for_clipping(self.trainer.precision_plugin, optimizer)
+        for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    torch.nan_to_num(param.grad, nan=0, posinf=1e5, neginf=-1e5, out=param.grad)
 
     def clip_gradients(
         self,

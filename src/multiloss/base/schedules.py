@@ -85,6 +85,97 @@ class WarmupCosine(LambdaLR):
         )
 
 
+class ImagesCurve:
+    """A value as a function of the images a run has trained on: R3GAN's ``cosine_decay_with_warmup``
+    (brownvc/R3GAN ``training/training_loop.py`` 29-38) — a linear warm-up from ``warmup_value`` over
+    ``warmup_nimg`` images, ``base_value`` held for ``hold_base_value_nimg`` more, then from ``base_value`` to
+    ``final_value`` by ``total_nimg`` along half a cosine (``kind=cosine``) or a line (``kind=linear``), and
+    ``final_value`` after. R3GAN's own key names, so its configs port by copy.
+
+    Raises:
+        ConfigError: ``total_nimg`` not above ``warmup_nimg + hold_base_value_nimg``; a negative length; ``kind``
+            not cosine or linear (keys as given, under their owner's).
+    """
+
+    def __init__(
+        self,
+        base_value: float,
+        final_value: float,
+        total_nimg: float,
+        kind: Literal["cosine", "linear"] = "cosine",
+        warmup_value: float = 0.0,
+        warmup_nimg: float = 0,
+        hold_base_value_nimg: float = 0,
+    ) -> None:
+        require(kind in ("cosine", "linear"), "kind", kind, "cosine (R3GAN's) or linear")
+        require(warmup_nimg >= 0, "warmup_nimg", warmup_nimg, "a number of images ≥ 0")
+        require(hold_base_value_nimg >= 0, "hold_base_value_nimg", hold_base_value_nimg, "a number of images ≥ 0")
+        require(
+            total_nimg > warmup_nimg + hold_base_value_nimg,
+            "total_nimg",
+            total_nimg,
+            f"more images than warmup_nimg + hold_base_value_nimg = {warmup_nimg + hold_base_value_nimg}",
+        )
+        self.base_value, self.final_value, self.total_nimg, self.kind = base_value, final_value, total_nimg, kind
+        self.warmup_value, self.warmup_nimg, self.hold = warmup_value, warmup_nimg, hold_base_value_nimg
+
+    def __call__(self, images: float) -> float:
+        if images > self.total_nimg:
+            return float(self.final_value)
+        if self.warmup_nimg > 0 and images < self.warmup_nimg:
+            return (self.base_value - self.warmup_value) / self.warmup_nimg * images + self.warmup_value
+        if self.hold > 0 and images <= self.warmup_nimg + self.hold:
+            return float(self.base_value)
+        progress = (images - self.warmup_nimg - self.hold) / float(self.total_nimg - self.warmup_nimg - self.hold)
+        remaining = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
+        return self.base_value + (1 - remaining) * (self.final_value - self.base_value)
+
+
+def images_curve(spec: Any, key: str) -> ImagesCurve:
+    """``spec`` (a mapping of `ImagesCurve`'s options) as a curve; `ConfigError` under ``key``."""
+    require(isinstance(spec, dict), key, spec, "a mapping: {base_value, final_value, total_nimg, kind, warmup_...}")
+    try:
+        return ImagesCurve(**spec)
+    except TypeError as err:
+        raise ConfigError(key, spec, f"the options of {ImagesCurve.__name__}", str(err)) from None
+    except ConfigError as err:
+        raise err.under(key) from None
+
+
+class OverImages(LambdaLR):
+    """The learning rate as a function of the images trained on (`ImagesCurve`, R3GAN's cosine with warm-up): each
+    param group's configured rate times the curve, whose values here are factors (R3GAN's 2e-4 → 5e-5 is
+    ``base_value: 1, final_value: 0.25`` on an optimizer at lr 2e-4). Read from the recipe's count of images
+    (``images_seen``, checkpointed with it) at the start of every training batch, as R3GAN sets its rates at the
+    start of each iteration; for recipes that count images (gan).
+    """
+
+    interval = "images"
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_nimg: float,
+        final_value: float,
+        base_value: float = 1.0,
+        kind: Literal["cosine", "linear"] = "cosine",
+        warmup_value: float = 0.0,
+        warmup_nimg: float = 0,
+        hold_base_value_nimg: float = 0,
+        images_seen: Any = None,
+    ) -> None:
+        require(
+            callable(images_seen),
+            "_target_",
+            "multiloss.base.schedules.OverImages",
+            "a recipe that counts the images it trains on (recipe=gan), or a schedule over steps (warmup_cosine)",
+            "this recipe counts no images",
+        )
+        curve = ImagesCurve(base_value, final_value, total_nimg, kind, warmup_value, warmup_nimg, hold_base_value_nimg)
+        self.curve = curve
+        super().__init__(optimizer, lambda _: curve(images_seen()))
+
+
 class StepDecay(StepLR):
     """The rate times ``gamma`` every ``step_size`` epochs."""
 
@@ -222,7 +313,8 @@ def build_schedule(spec: Any, optimizer: Optimizer, trainer: L.Trainer) -> tuple
     )
     # Lightning keeps "step" or "epoch" (its LR monitor reads it); the recipe steps by the schedule's own.
     interval = "step" if getattr(scheduler, "interval", "step") == "step" else "epoch"
-    return {"scheduler": scheduler, "interval": interval}, describe_schedule(spec, passed)
+    kept = {name: value for name, value in passed.items() if not callable(value)}  # the clock is the run's, not kept
+    return {"scheduler": scheduler, "interval": interval}, describe_schedule(spec, kept)
 
 
 # What a recipe knows of its run and passes to a schedule that takes it (and whose config leaves it out or null).
@@ -230,4 +322,5 @@ _RUN_LENGTHS = {
     "epochs": lambda trainer: trainer.max_epochs,
     "total_steps": lambda trainer: trainer.lightning_module.total_optimizer_steps(),
     "monitor": lambda trainer: trainer.lightning_module.validation_loss,
+    "images_seen": lambda trainer: getattr(trainer.lightning_module, "images_seen_clock", None),
 }

@@ -10,7 +10,8 @@ decides the rest, identically in all five recipes:
   a component held whole under FSDP2 hands its gradients over at the block's end:
   `multiloss.parallel.parallelism`);
 - the division of each micro-batch's loss by k (``loss / k``: k micro-batches of b sum to one batch of k·b);
-- at the block's end, on a micro-batch that steps: clipping (``model.gradient_clip_val``), the optimizer's
+- at the block's end, on a micro-batch that steps: the clean-up (``model.clean_gradients``), clipping
+  (``model.gradient_clip_val``), the optimizer's
   step and ``zero_grad(set_to_none=True)``; then, on every micro-batch, the learning-rate schedule (interval
   step after a step, interval epoch after an epoch's last batch).
 
@@ -106,6 +107,7 @@ class OptimizerStep:
         if exc_type is not None:
             return False
         if self.stepping:
+            self.recipe.cleaned_gradients(self.optimizer)  # model.clean_gradients (off: nothing)
             self.recipe.clip_gradients(self.optimizer)
             if self.counted:
                 self.optimizer.step()

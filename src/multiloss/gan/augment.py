@@ -157,7 +157,8 @@ class Augment(nn.Module):
         self.ada_target, self.ada_interval, self.ada_kimg = ada_target, ada_interval, ada_kimg
         self.draws = 1 + (sum(POLICIES[name] for name in policy.split(",")) if policy else 0)
         self.shape: tuple[int, int, int] | None = None  # the images' (C, H, W): set at setup from the data
-        self.register_buffer("p", torch.tensor(float(p), dtype=torch.float64))
+        # float32 as stylegan2-ada's ``augment_pipe.p`` (its AugmentPipe's buffer): p moves by float32 additions.
+        self.register_buffer("p", torch.tensor(float(p), dtype=torch.float32))
         self.register_buffer("signs", torch.zeros(2, dtype=torch.float64))  # Σ sign(D(x_real)), their count
 
     def set_sample_shape(self, sample_shape: tuple[int, ...], key: str = "model.augment") -> None:
@@ -196,7 +197,8 @@ class Augment(nn.Module):
         """stylegan2-ada's update at the interval's end, from its sums and its nominal ``images``."""
         r_t = self.signs[0] / self.signs[1].clamp(min=1)
         step = torch.sign(r_t - self.ada_target) * images / (self.ada_kimg * 1000)
-        self.p.copy_((self.p + step).clamp(min=0))
+        # stylegan2-ada adds a float64 numpy scalar to its float32 p: the sum is float32 (training_loop.py 316-317).
+        self.p.copy_((self.p + step.float()).clamp(min=0))
         self.signs.zero_()
 
     def seen_by(self, critic: Callable[[torch.Tensor], Any], uniforms: Callable[[int, int], Any]) -> Callable:

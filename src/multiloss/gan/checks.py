@@ -7,6 +7,7 @@ from torch import nn
 
 from multiloss.component_check import call_component, describe_output
 from multiloss.config import ConfigError
+from multiloss.gan.options import shown
 
 _BATCH_NORMS = (
     nn.BatchNorm1d,
@@ -31,7 +32,7 @@ def check_networks(
     real: torch.Tensor,
     latent_dim: int,
     loss: str,
-    penalty: str,
+    penalties: dict[str, float],
 ) -> None:
     """`ConfigError` naming ``model.generator`` or ``model.discriminator`` (``names``: their configs' names) when G's
     samples are not shaped like ``real``, D does not give one score a sample, D's scores are not probabilities under
@@ -68,11 +69,11 @@ def check_networks(
                 "model.loss=nonsaturating for one that returns logits (the same loss, on logits)",
                 f"for {what} samples its scores reach {float(scores.min()):.3g}..{float(scores.max()):.3g}",
             )
-    if penalty != "none" and (norms := batch_norms(discriminator)):
+    if penalties and (norms := batch_norms(discriminator)):
         raise ConfigError(
             "model.discriminator",
             critic,
-            f"a discriminator without BatchNorm with model.penalty={penalty} (the penalty needs each sample's own "
-            "gradient ∇D(x), and BatchNorm mixes a batch's samples), or model.penalty=none (DCGAN's loop)",
+            f"a discriminator without BatchNorm with model.penalty={shown(penalties)} (the penalty needs each "
+            "sample's own gradient ∇D(x), and BatchNorm mixes a batch's samples), or model.penalty=none (DCGAN's loop)",
             f"it has BatchNorm: {', '.join(norms[:3])}",
         )

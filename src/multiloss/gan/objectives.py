@@ -166,21 +166,21 @@ def discriminator_loss(
     real: torch.Tensor,
     fake: torch.Tensor,
     eps: torch.Tensor | None,
-    penalty_taken: str,
-    penalty_weight: float,
+    penalties: dict[str, float],
     scaler: Any = None,
     observe_real: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """D's loss ``d`` and its terms (`discriminator_terms`), plus ``penalty_taken`` (gp, r1, r2; none) times
-    ``penalty_weight``; ``observe_real``: told D's scores of the reals (ADA's r_t).
+    """D's loss ``d`` and its terms (`discriminator_terms`), plus each of ``penalties`` (gp, r1, r2 → its weight)
+    times its weight; ``observe_real``: told D's scores of the reals (ADA's r_t).
 
-    R1 and R2 differentiate the very scores the loss is built from (stylegan2-ada's ``Dboth`` phase, R3GAN's step):
-    one D forward of the reals and one of the fakes, so with augmentation on the penalty is taken at the
-    augmentation D's loss saw, not at another draw. (GP scores its own interpolates.)
+    R1 and R2 differentiate the very scores the loss is built from (stylegan2-ada's ``Dboth`` phase, R3GAN's step,
+    which takes both: ``Trainer.py`` 28-42, γ/2·(R1 + R2)): one D forward of the reals and one of the fakes, so with
+    augmentation on each penalty is taken at the augmentation D's loss saw, not at another draw. (GP scores its own
+    interpolates.)
     """
-    if penalty_taken == "r1":
+    if "r1" in penalties:
         real = real.detach().requires_grad_(True)
-    if penalty_taken == "r2":
+    if "r2" in penalties:
         fake = fake.detach().requires_grad_(True)
     d_real = critic(real)
     if observe_real is not None:
@@ -188,13 +188,13 @@ def discriminator_loss(
     d_fake = critic(fake)
     losses = discriminator_terms(loss, d_real, d_fake)
     total = sum(losses.values())
-    if penalty_taken != "none":
-        if penalty_taken == "gp":
+    for name, weight in penalties.items():
+        if name == "gp":
             losses["gp"] = penalty("gp", critic, real, fake, eps, scaler)
         else:
-            scores, x = (d_real, real) if penalty_taken == "r1" else (d_fake, fake)
-            losses[penalty_taken] = squared_norm_penalty(scores, x, scaler)
-        total = total + penalty_weight * losses[penalty_taken]
+            scores, x = (d_real, real) if name == "r1" else (d_fake, fake)
+            losses[name] = squared_norm_penalty(scores, x, scaler)
+        total = total + weight * losses[name]
     return {**losses, "d": total}
 
 

@@ -2,34 +2,77 @@
 
 from __future__ import annotations
 
-from multiloss.config import require
+from typing import Any
+
+from multiloss.config import require, require_options
 from multiloss.gan.objectives import LOSSES, PENALTIES
+from multiloss.gan.path_length import PathLength
 
 G_INPUTS = ("fresh", "same_fakes", "same_z")
 G_STEPS_AFTER = ("last", "first", "before")
 
 
-def penalty_of(penalty: str, penalty_weight: float, gp_weight: float | None) -> tuple[str, float]:
-    """``(penalty, penalty_weight)``, from older runs' one-key form too: ``gp_weight=λ`` was ``penalty=gp`` at λ (0:
-    none), read from their checkpoints' hyper-parameters."""
-    if gp_weight is None:
-        return penalty, penalty_weight
+def penalty_of(penalty: Any, penalty_weight: Any, gp_weight: float | None) -> dict[str, float]:
+    """The penalties taken, each with its weight, in the order given: ``penalty`` one of `PENALTIES` or a list of
+    them (R3GAN's ``[r1, r2]``), ``penalty_weight`` one number for each or a list as long (γ for r1/r2, λ for gp).
+    Older runs' one-key form too: ``gp_weight=λ`` was ``penalty=gp`` at λ (0: none), read from their checkpoints'
+    hyper-parameters.
+
+    Raises:
+        ConfigError: a name not in `PENALTIES` or given twice, ``none`` beside another, a weight that is not a
+            positive number (≥ 0 with none), a list of weights of another length.
+    """
+    if gp_weight is not None:
+        require(
+            penalty in ("gp", "none"),
+            "gp_weight",
+            gp_weight,
+            f"unset with model.penalty={penalty} (gp_weight=<λ> is model.penalty=gp model.penalty_weight=<λ>)",
+        )
+        return {"gp": float(gp_weight)} if gp_weight else {}
+    names = list(penalty) if isinstance(penalty, list | tuple) else [penalty]
+    for name in names:
+        require(name in PENALTIES, "penalty", penalty, f"one of {', '.join(PENALTIES)}, or a list of them ([r1, r2])")
+    require(len(set(names)) == len(names), "penalty", penalty, "each penalty once")
+    if names == ["none"] or not names:
+        require(_is_number(penalty_weight) and penalty_weight >= 0, "penalty_weight", penalty_weight, "a number ≥ 0")
+        return {}
+    require("none" not in names, "penalty", penalty, "none alone, or a list of gp, r1, r2")
+    weights = list(penalty_weight) if isinstance(penalty_weight, list | tuple) else [penalty_weight] * len(names)
     require(
-        penalty in ("gp", "none"),
-        "gp_weight",
-        gp_weight,
-        f"unset with model.penalty={penalty} (gp_weight=<λ> is model.penalty=gp model.penalty_weight=<λ>)",
+        len(weights) == len(names),
+        "penalty_weight",
+        penalty_weight,
+        f"one number for every penalty, or a list of {len(names)} (one per penalty in model.penalty={penalty})",
     )
-    return ("gp" if gp_weight else "none"), gp_weight
+    for weight in weights:
+        require(
+            _is_number(weight) and weight > 0,
+            "penalty_weight",
+            penalty_weight,
+            f"a positive number with penalty={penalty} (λ for gp, γ for r1/r2: γ/2·E‖∇D‖²), or model.penalty=none",
+        )
+    return {name: float(weight) for name, weight in zip(names, weights)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def shown(penalties: dict[str, float]) -> str:
+    """``model.penalty`` as the user would write it: r1, [r1,r2], none."""
+    if not penalties:
+        return "none"
+    return next(iter(penalties)) if len(penalties) == 1 else "[" + ",".join(penalties) + "]"
 
 
 def check_options(
     *,
     loss: str,
     n_critic: int,
-    penalty: str,
-    penalty_weight: float,
+    penalties: dict[str, float],
     penalty_every: int,
+    g_reg_every: int,
     latent_dim: int,
     data_dim: int,
     n_plot_samples: int,
@@ -43,25 +86,19 @@ def check_options(
         ("latent_dim", latent_dim),
         ("data_dim", data_dim),
         ("penalty_every", penalty_every),
+        ("g_reg_every", g_reg_every),
     ):
         require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
     require(loss in LOSSES, "loss", loss, ", ".join(LOSSES))
-    require(penalty in PENALTIES, "penalty", penalty, ", ".join(PENALTIES))
     require(
-        penalty_weight > 0 if penalty != "none" else penalty_weight >= 0,
-        "penalty_weight",
-        penalty_weight,
-        f"a positive number with penalty={penalty} (λ for gp, γ for r1/r2), or model.penalty=none",
-    )
-    require(
-        loss != "wgan-gp" or penalty != "none",
+        loss != "wgan-gp" or bool(penalties),
         "penalty",
-        penalty,
+        "none",
         "gp (or r1/r2) with loss=wgan-gp (the Wasserstein critic needs a penalty to stay Lipschitz: "
         "model.penalty=gp model.penalty_weight=0.1), or another model.loss",
     )
     require(
-        penalty_every == 1 or penalty != "none",
+        penalty_every == 1 or bool(penalties),
         "penalty_every",
         penalty_every,
         "1 with penalty=none (it is the lazy penalty's interval)",
@@ -83,3 +120,11 @@ def check_options(
         "on each micro-batch's noise), or model.accumulate_grad_batches=1",
         "same_fakes keeps G's graph from D's micro-batch to G's step: k batches' graphs at once",
     )
+
+
+def build_path_length(spec: dict[str, Any] | None, g_reg_every: int) -> PathLength | None:
+    """``model.path_length`` (null: off) as a `PathLength`, taken every ``g_reg_every`` G steps."""
+    if spec is None:
+        return None
+    require_options(spec, "path_length", ("weight", "decay", "batch_shrink"))
+    return PathLength(**spec)
