@@ -172,7 +172,7 @@ class OverImages(LambdaLR):
             "this recipe counts no images",
         )
         curve = ImagesCurve(base_value, final_value, total_nimg, kind, warmup_value, warmup_nimg, hold_base_value_nimg)
-        self.curve = curve
+        # In the closure only: a schedule's state (its __dict__) goes into checkpoints, which hold plain values.
         super().__init__(optimizer, lambda _: curve(images_seen()))
 
 
