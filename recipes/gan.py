@@ -52,6 +52,7 @@ from multiloss.base.precision import grad_scaler
 from multiloss.batches import require_keys
 from multiloss.callbacks import GeneratedSamplesPlot
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
+from multiloss.config import require
 from multiloss.gan.augment import build_augment
 from multiloss.gan.checks import check_networks
 from multiloss.gan.ema import GeneratorEMA
@@ -228,6 +229,15 @@ class GAN(Recipe):
         for optimizer, every in ((opt_g, self.g_reg_every), (opt_d, self.penalty_every)):
             if every > 1:
                 correct_betas(optimizer, lazy_ratio(every))
+        for optimizer, network in ((opt_g, "generator"), (opt_d, "discriminator")):
+            scheduled = next((n for n in ("beta2", f"{network[0]}_beta2") if n in self.schedules), None)
+            require(
+                scheduled is None or all("betas" in group for group in optimizer.param_groups),
+                f"model.schedules.{scheduled}",
+                "set",
+                f"null, or an optimizer with betas (Adam, AdamW) as model.{network[0]}_optimizer",
+                f"model.{network[0]}_optimizer has no betas",
+            )
         return [self.with_schedule(opt_g, "model.g_optimizer"), self.with_schedule(opt_d, "model.d_optimizer")]
 
     def param_group_of(self, name: str) -> dict[str, Any]:

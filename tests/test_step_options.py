@@ -84,6 +84,45 @@ def test_clipping_bounds_every_step_of_every_recipe(make_cfg, recipe):
     assert 0 < moved <= 1e-3 * (1 + 1e-4), moved
 
 
+@pytest.mark.parametrize("recipe", ["multihead", "gan"])
+@pytest.mark.parametrize("clean", [True, False])
+def test_clean_gradients_is_stylegan2_adas_nan_to_num(make_cfg, recipe, clean):
+    """``model.clean_gradients=true``: before the step every gradient goes through stylegan2-ada's clean-up
+    (training_loop.py 289-291: ``nan_to_num(nan=0, posinf=1e5, neginf=-1e5)``): a weight whose gradient a hook makes
+    [nan, inf, -inf, 1e6, ...] moves by SGD lr 1 × [0, 1e5, -1e5, 1e6, ...] (finite values kept, as torch's
+    ``nan_to_num``). Off, the same step writes NaN and ±inf into the weight."""
+    gan = recipe == "gan"
+    sgd = ("optimizer@model.g_optimizer=sgd", "optimizer@model.d_optimizer=sgd") if gan else ("optimizer=sgd",)
+    lr = ("model.g_optimizer.lr=1.0", "model.d_optimizer.lr=1.0", "model.loss=nonsaturating", "model.penalty=none")
+    cfg = make_cfg(
+        f"recipe={recipe}",
+        *RECIPES[recipe],
+        *BARE,
+        *sgd,
+        *(lr if gan else ("model.optimizer.lr=1.0",)),
+        f"model.clean_gradients={str(clean).lower()}",
+        "scheduler=constant",
+        "nonfinite=warn",
+    )
+    datamodule, model = testing.build(cfg)
+    weight = next(p for p in (model.discriminator if gan else model).parameters() if p.numel() >= 4)
+    bad = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e6])
+
+    def poisoned(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[:4] = bad
+        return grad
+
+    weight.register_hook(poisoned)
+    before = weight.detach().clone().view(-1)[:4]
+    testing.bare_trainer(max_steps=1).fit(model, datamodule=datamodule)
+    after = weight.detach().view(-1)[:4]
+    if clean:
+        assert torch.equal(after, before - torch.nan_to_num(bad, nan=0, posinf=1e5, neginf=-1e5))
+    else:
+        assert after.isnan()[0] and after[1] == float("-inf") and after[2] == float("inf")
+
+
 def test_16_mixed_clipping_sees_the_true_gradients(make_cfg):
     """Under a GradScaler the backward's gradients are multiplied by the loss scale; the step unscales them
     before clipping (Lightning's own manual optimization clips the scaled ones: issue #18089), and its

@@ -45,7 +45,9 @@ class GeneratedSamplesPlot(LeanCallback):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        images = as_images(fake)
+        # Shown over the data's own range ([-1, 1] for stylegan2-ada's scaling), [0, 1] unless it says.
+        value_range = getattr(trainer.datamodule, "value_range", None) or (0.0, 1.0)
+        images = as_images(fake, value_range=tuple(value_range))
         if fake[0].numel() == 2:
             fake = fake.reshape(len(fake), 2).numpy()
             fig, ax = plt.subplots(figsize=(4.5, 4.5))
@@ -106,8 +108,9 @@ def _epoch_file(trainer: L.Trainer, suffix: str) -> Path:
     return Path(trainer.default_root_dir) / "samples" / f"epoch_{trainer.current_epoch:03d}.{suffix}"
 
 
-def as_images(samples: torch.Tensor, n: int = 64) -> Any:
-    """Up to ``n`` samples as images in [0, 1] — ``(H, W)`` grey or ``(H, W, 3)`` colour — or None if not images.
+def as_images(samples: torch.Tensor, n: int = 64, value_range: tuple[float, float] = (0.0, 1.0)) -> Any:
+    """Up to ``n`` samples as images in [0, 1] — ``(H, W)`` grey or ``(H, W, 3)`` colour — or None if not images;
+    ``value_range``: the samples' (mapped onto [0, 1], then clamped).
 
     Image-shaped means ``(H, W)``, ``(1, H, W)``, ``(3, H, W)``, or a flat square number of features (8×8 digits).
     """
@@ -122,4 +125,5 @@ def as_images(samples: torch.Tensor, n: int = 64) -> Any:
         images = samples.reshape(-1, side, side)
     else:
         return None
-    return images.clamp(0, 1)
+    low, high = value_range
+    return ((images - low) / (high - low)).clamp(0, 1)

@@ -62,16 +62,26 @@ class StackedDigitsDataModule(ArrayDataModule):
     ``digits`` 8 × 8 digit images side by side (``x``: ``digits`` · 64 values in [0, 1], float32), so 10^digits
     modes (1,000 for 3); ``y`` the mode (the classes read as one number, int64). ``n_samples`` samples, their
     digits drawn uniformly from the 1,797 images by ``sample_seed`` alone (never by the training ``seed``).
+    ``resolution`` N (a multiple of 8): each sample an image of ``digits`` channels, N × N, each digit enlarged
+    by repeating its pixels (for the convolutional nets; the metrics' classifier averages them back to 8 × 8).
 
     Raises:
-        ConfigError: ``digits`` < 1 or ``n_samples`` < 2; the base class's checks.
+        ConfigError: ``digits`` < 1, ``n_samples`` < 2, ``resolution`` not a multiple of 8; the base class's checks.
     """
 
-    def __init__(self, digits: int = 3, n_samples: int = 20000, sample_seed: int = 0, **kwargs) -> None:
+    def __init__(
+        self, digits: int = 3, n_samples: int = 20000, sample_seed: int = 0, resolution: int | None = None, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         require(digits >= 1, "digits", digits, "an integer ≥ 1 (3 = the 1,000-mode StackedMNIST)")
         require(n_samples >= 2, "n_samples", n_samples, "an integer ≥ 2")
-        self.digits, self.n_samples, self.sample_seed = digits, n_samples, sample_seed
+        require(
+            resolution is None or (isinstance(resolution, int) and resolution >= 8 and resolution % 8 == 0),
+            "resolution",
+            resolution,
+            "null (flat samples of digits · 64 values) or a multiple of 8 (32: images for the conv nets)",
+        )
+        self.digits, self.n_samples, self.sample_seed, self.resolution = digits, n_samples, sample_seed, resolution
 
     def load(self) -> dict[str, torch.Tensor]:
         digits = load_digits()
@@ -81,4 +91,9 @@ class StackedDigitsDataModule(ArrayDataModule):
             np.random.default_rng(self.sample_seed).integers(len(x), size=(self.n_samples, self.digits))
         )
         powers = 10 ** torch.arange(self.digits - 1, -1, -1)
-        return {"x": x[pick].flatten(1), "y": (labels[pick] * powers).sum(dim=1)}
+        samples = x[pick].flatten(1)
+        if self.resolution is not None:
+            factor = self.resolution // 8
+            images = samples.view(-1, self.digits, 8, 8)
+            samples = images.repeat_interleave(factor, dim=2).repeat_interleave(factor, dim=3).contiguous()
+        return {"x": samples, "y": (labels[pick] * powers).sum(dim=1)}

@@ -150,6 +150,7 @@ class ImagesDataModule(ArrayDataModule):
         require(isinstance(xflip, bool), "xflip", xflip, "true or false")
         self.xflip = xflip
         self.decode = ScaledImage(ImageDecoder(channels, resolution), as_range(value_range))
+        self.value_range = as_range(value_range)  # what the images' values span (the sample plots read it)
         self.flatten, self.label_source = flatten, labels
         self.classes: list[str] | None = None
         given = {"train": (path, "path"), "val": (val_path, "val_path"), "test": (test_path, "test_path")}

@@ -67,7 +67,7 @@ class DigitFeatures(nn.Module):
     """The shipped classifier's hidden layer as a frozen feature extractor (torchmetrics' ``feature=`` module).
 
     Takes samples of k digits (k · 64 values in [0, 1]: ``(N, 64)``, ``(N, 1, 8, 8)``, stacked digits ``(N, 192)``
-    or ``(N, 3, 8, 8)``) and returns each digit's 64 features side by side, ``(N, k · 64)``; `classify` returns
+    or ``(N, 3, 8, 8)``, or enlarged ``(N, k, 8m, 8m)``: averaged back to 8 × 8) and returns each digit's 64 features side by side, ``(N, k · 64)``; `classify` returns
     each digit's class ``(N, k)``. ``num_features``: k · 64, for torchmetrics.
     """
 
@@ -83,6 +83,8 @@ class DigitFeatures(nn.Module):
         return super().train(False)
 
     def _digits(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4 and x.shape[-1] > 8:  # enlarged digits (data.resolution): averaged back to 8 × 8
+            x = torch.nn.functional.avg_pool2d(x, x.shape[-1] // 8)
         return x.reshape(-1, PIXELS).to(self.net[0].weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

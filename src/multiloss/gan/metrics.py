@@ -132,6 +132,8 @@ class SampleQuality(nn.Module):
         require(kid_subsets >= 1, "metrics.kid_subsets", kid_subsets, "an integer ≥ 1")
         require(nearest_k >= 1, "metrics.nearest_k", nearest_k, "an integer ≥ 1")
         values = math.prod(sample_shape)
+        if len(sample_shape) == 3 and sample_shape[1] == sample_shape[2] and sample_shape[1] % 8 == 0:
+            values = sample_shape[0] * PIXELS  # k enlarged digits (stacked digits at data.resolution): k digits
         if feature == "digits":
             require(
                 values % PIXELS == 0,

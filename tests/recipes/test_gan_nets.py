@@ -1,0 +1,237 @@
+"""The shipped convolutional GAN networks (`multiloss.gan.nets`): the DCGAN pair is pytorch/examples', the StyleGAN2
+generator's modulated convolution is stylegan2-ada's, its noise resumes, and each pair trains from the shell on
+stacked digits as images and on an image folder.
+
+References: the DCGAN transcription in ``tests/recipes/gan_references.py`` (pytorch/examples ``dcgan/main.py`` at
+77f55b9, lines 116-200); ``modulated_conv2d`` below transcribes NVlabs/stylegan2-ada-pytorch ``training/networks.py``
+at d72cc7d, lines 27-76, with ``conv2d_resample`` (no resampling, no filter) as ``torch.nn.functional.conv2d``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from multiloss import ConfigError, train
+from multiloss.gan.nets import (
+    DCGANDiscriminator,
+    DCGANGenerator,
+    ModulatedConv,
+    ResNetDiscriminator,
+    StyleGAN2Generator,
+)
+from tests.recipes.gan_references import DCGANDiscriminator as ScriptDiscriminator
+from tests.recipes.gan_references import DCGANGenerator as ScriptGenerator
+
+
+def test_the_dcgan_pair_at_64_is_pytorch_examples():
+    """At 64 × 64 with BatchNorm and the Sigmoid, the shipped pair is the script's layer for layer: its weights load
+    into the transcription (strict), the outputs agree, and dcgan's ``weights_init`` gave the same distribution."""
+    torch.manual_seed(0)
+    ours_g = DCGANGenerator(latent_dim=8, channels=1, resolution=64, width=8)
+    ours_d = DCGANDiscriminator(channels=1, resolution=64, width=8, batch_norm=True, sigmoid=True)
+    theirs_g, theirs_d = ScriptGenerator(nz=8, ngf=8, nc=1), ScriptDiscriminator(ndf=8, nc=1, sigmoid=True)
+    theirs_g.load_state_dict(ours_g.state_dict())
+    theirs_d.load_state_dict(ours_d.state_dict())
+    z = torch.randn(6, 8)
+    torch.testing.assert_close(ours_g(z), theirs_g(z))
+    x = ours_g(z)
+    torch.testing.assert_close(ours_d(x).view(-1), theirs_d(x))
+    conv = ours_g.main[0].weight
+    assert abs(conv.std().item() - 0.02) < 0.002 and abs(conv.mean().item()) < 0.002
+
+
+@pytest.mark.parametrize("resolution", [8, 32, 64])
+def test_every_net_gives_the_resolutions_images_and_one_score(resolution):
+    z = torch.randn(3, 16)
+    for g in (
+        DCGANGenerator(latent_dim=16, resolution=resolution, width=8),
+        StyleGAN2Generator(latent_dim=16, resolution=resolution, width=8, w_dim=8),
+    ):
+        assert g(z).shape == (3, 3, resolution, resolution)
+    x = torch.randn(3, 3, resolution, resolution)
+    for d in (DCGANDiscriminator(resolution=resolution, width=8), ResNetDiscriminator(resolution=resolution, width=8)):
+        assert d(x).shape == (3, 1)
+        assert torch.equal(d(x), d(x.flatten(1)))  # flat samples are reshaped on the way in
+
+
+def modulated_conv2d(x, weight, styles, demodulate=True, padding=0, fused_modconv=True):
+    """training/networks.py ``modulated_conv2d`` (27-76), fp32, no noise, up = down = 1, no resample filter."""
+    batch_size = x.shape[0]
+    _out_channels, in_channels, kh, kw = weight.shape
+    w = None
+    dcoefs = None
+    if demodulate or fused_modconv:
+        w = weight.unsqueeze(0)  # [NOIkk]
+        w = w * styles.reshape(batch_size, 1, -1, 1, 1)  # [NOIkk]
+    if demodulate:
+        dcoefs = (w.square().sum(dim=[2, 3, 4]) + 1e-8).rsqrt()  # [NO]
+    if demodulate and fused_modconv:
+        w = w * dcoefs.reshape(batch_size, -1, 1, 1, 1)  # [NOIkk]
+    if not fused_modconv:
+        x = x * styles.to(x.dtype).reshape(batch_size, -1, 1, 1)
+        x = torch.nn.functional.conv2d(x, weight.to(x.dtype), padding=padding)
+        if demodulate:
+            x = x * dcoefs.to(x.dtype).reshape(batch_size, -1, 1, 1)
+        return x
+    x = x.reshape(1, -1, *x.shape[2:])
+    w = w.reshape(-1, in_channels, kh, kw)
+    x = torch.nn.functional.conv2d(x, w.to(x.dtype), padding=padding, groups=batch_size)
+    return x.reshape(batch_size, -1, *x.shape[2:])
+
+
+@pytest.mark.parametrize("demodulate", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_modulated_convolution_is_stylegan2_adas(demodulate, fused):
+    """Both of stylegan2-ada's forms (fused: a grouped convolution of per-sample weights; not: the input scaled, one
+    convolution, the output scaled) equal the shipped layer to 1e-5, gradients with respect to w as well."""
+    torch.manual_seed(0)
+    layer = ModulatedConv(8, 5, 6, kernel=3, demodulate=demodulate)
+    x, w = torch.randn(4, 8, 7, 7), torch.randn(4, 6, requires_grad=True)
+    ours = layer(x, w)
+    styles = layer.affine(w) * layer.weight_gain
+    theirs = modulated_conv2d(x, layer.weight, styles, demodulate, padding=1, fused_modconv=fused)
+    theirs = theirs + layer.bias.view(1, -1, 1, 1)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    (g_ours,) = torch.autograd.grad(ours.square().sum(), w)
+    (g_theirs,) = torch.autograd.grad(theirs.square().sum(), w)
+    torch.testing.assert_close(g_ours, g_theirs, atol=1e-4, rtol=1e-5)
+
+
+def test_stylegan2_noise_is_fresh_resumable_and_fixed_in_evaluation():
+    """``random``: two training forwards draw other noise (once the strengths are not 0), a copy loaded from the
+    state dict draws what the original draws next (the call count is a buffer); evaluation uses the fixed draw; and
+    the forward is synthesis(mapping(z)) — what path length differentiates."""
+    torch.manual_seed(0)
+    g = StyleGAN2Generator(latent_dim=8, resolution=16, width=8, w_dim=8)
+    with torch.no_grad():
+        for layer in g.synthesis.layers:
+            layer.noise.strength.fill_(0.5)
+    z = torch.randn(2, 8)
+    first, second = g(z), g(z)
+    assert not torch.equal(first, second)
+    copy = StyleGAN2Generator(latent_dim=8, resolution=16, width=8, w_dim=8)
+    copy.load_state_dict(g.state_dict())
+    assert torch.equal(copy(z), g(z)) and int(g.synthesis.noise_calls) == 3
+    g.eval()
+    assert torch.equal(g(z), g(z))
+    assert torch.equal(g(z), g.synthesis(g.mapping(z)))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.generator.resolution=48", "model.generator.resolution"),
+        ("model.discriminator.mbstd_group_size=-1", "model.discriminator.mbstd_group_size"),
+        ("model.generator.output=relu", "model.generator.output"),
+        ("data.resolution=12", "data.resolution"),
+    ],
+)
+def test_bad_net_options_are_named(make_cfg, tmp_path, override, key):
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*STACKED, "generator=stylegan2", "discriminator=resnet", override, output_dir=tmp_path / "r"))
+    assert err.value.key == key
+    assert not (tmp_path / "r").exists()
+
+
+# Stacked digits as (3, 16, 16) images: each digit enlarged, the metrics' classifier averaging them back.
+STACKED = (
+    "recipe=gan",
+    "data=stacked_digits",
+    "data.resolution=16",
+    "data.n_samples=512",
+    "data.batch_size=32",
+    "model.latent_dim=16",
+    "model.n_plot_samples=16",
+    "model.loss=relativistic",
+    "model.penalty=[r1,r2]",
+    "model.penalty_weight=0.05",
+    "model.n_critic=1",
+    "+model.metrics.feature=digits",
+    "+model.metrics.kid_subset_size=20",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=6",
+    "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "logger=csv",
+)
+
+
+@pytest.mark.parametrize(
+    "nets",
+    [
+        (
+            "generator=stylegan2",
+            "discriminator=resnet",
+            "model.generator.output=sigmoid",
+            "model.generator.width=16",
+            "model.generator.w_dim=16",
+            "model.discriminator.width=16",
+            "model.g_reg_every=4",
+            "+model.path_length.weight=2",
+        ),
+        ("generator=dcgan", "discriminator=dcgan", "model.generator.output=sigmoid", "model.generator.width=8"),
+    ],
+    ids=["stylegan2-resnet", "dcgan"],
+)
+def test_the_conv_nets_train_on_stacked_digits_from_the_shell(make_cfg, tmp_path, nets):
+    """Each pair at 16 × 16 from the launch line's options (resolution set for both nets): trains, logs the digit
+    metrics and the mode count, writes its sample grid."""
+    res = ("model.generator.resolution=16", "model.discriminator.resolution=16", "model.discriminator.width=8")
+    metrics = train(make_cfg(*STACKED, *nets, *res, "+model.g_ema.half_life_images=500", output_dir=tmp_path))
+    assert math.isfinite(metrics["loss/d"]) and metrics["val/modes"] >= 1 and math.isfinite(metrics["val/fid"])
+    assert list(tmp_path.rglob("samples/epoch_000.png"))
+    if "+model.path_length.weight=2" in nets:
+        assert "loss/path_length" in next(csv.reader(next(tmp_path.rglob("metrics.csv")).open()))
+
+
+def _image_folder(root, n: int = 96, size: int = 16) -> None:
+    """Generated RGB images: a disc of a random colour at a random place on a dark background."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[:size, :size]
+    root.mkdir()
+    for i in range(n):
+        cy, cx, r = [*rng.uniform(4, size - 4, 2).tolist(), rng.uniform(2, 5)]
+        colour = rng.integers(80, 256, 3)
+        img = np.zeros((size, size, 3), np.uint8) + 20
+        img[(yy - cy) ** 2 + (xx - cx) ** 2 < r**2] = colour
+        Image.fromarray(img).save(root / f"{i:03d}.png")
+
+
+def test_the_conv_nets_train_from_an_image_folder(make_cfg, tmp_path):
+    """``data=images`` (PNGs in a folder, values in [-1, 1]) with the StyleGAN2 generator and the residual D at
+    their resolution: trains, G_ema on, a sample grid written."""
+    _image_folder(tmp_path / "images")
+    metrics = train(
+        make_cfg(
+            "recipe=gan",
+            "data=images",
+            f"data.path={tmp_path / 'images'}",
+            "data.value_range=[-1,1]",
+            "data.batch_size=16",
+            "generator=stylegan2",
+            "discriminator=resnet",
+            "model.generator.resolution=16",
+            "model.discriminator.resolution=16",
+            "model.generator.width=16",
+            "model.discriminator.width=16",
+            "model.latent_dim=16",
+            "model.loss=relativistic",
+            "model.penalty=[r1,r2]",
+            "model.penalty_weight=0.1",
+            "model.n_critic=1",
+            "model.n_plot_samples=16",
+            "+model.g_ema.half_life_images=200",
+            "trainer.max_epochs=1",
+            "trainer.limit_val_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            output_dir=tmp_path / "run",
+        )
+    )
+    assert math.isfinite(metrics["loss/d"]) and math.isfinite(metrics["loss/g"])
+    assert list((tmp_path / "run").rglob("samples/epoch_000.png"))
