@@ -300,7 +300,13 @@ class GAN(Recipe):
         self.images_seen = checkpoint.get(IMAGES_KEY, 0)
 
     def discriminator_losses(
-        self, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor | None = None, *, with_penalty: bool = True
+        self,
+        real: torch.Tensor,
+        fake: torch.Tensor,
+        eps: torch.Tensor | None = None,
+        *,
+        with_penalty: bool = True,
+        side: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """D's loss ``d`` and its terms on detached fakes (`multiloss.gan.objectives.discriminator_loss`), the penalty
         taken every step when ``with_penalty`` (the lazy one has its own step)."""
@@ -310,7 +316,7 @@ class GAN(Recipe):
         taken = self.penalties if with_penalty and self.penalty_every == 1 else {}
         observing = with_penalty and self.adaptive_augmentation  # ADA's r_t counts D's scores of the reals
         observe = (lambda scores: self.augment.observe_scores(scores, self._sum_over_ranks)) if observing else None
-        return discriminator_loss(self.loss, critic, real, fake, eps, taken, self.scaler(), observe)
+        return discriminator_loss(self.loss, critic, real, fake, eps, taken, self.scaler(), observe, side)
 
     def scaler(self) -> Any:
         """The GradScaler under ``16-mixed`` (the penalty's input gradient is taken on scaled scores), else None."""
@@ -348,14 +354,17 @@ class GAN(Recipe):
         # backward stops at D's input whatever built them.
         with self.step_of(opt_d, batch_idx, components=("discriminator",), toggle=True) as d_step:
             fake = (kept if kept is not None else self.generator(z)).detach()
-            d_losses = self.discriminator_losses(real, fake, eps)
-            if self.loss == "bce":  # dcgan/main.py's two backward calls, real then fake (gradients summed in .grad)
-                # R1 shares the reals' forward, whose graph the first backward frees: it goes with the reals.
-                terms = {name: weight * d_losses[name] for name, weight in self.penalties.items() if name in d_losses}
-                on_reals = terms.pop("r1", 0)
-                d_step.backward(d_losses["d_real"] + on_reals, sync=False)  # the second syncs the sum
-                d_step.backward(d_losses["d_fake"] + sum(terms.values()))
+            if self.loss == "bce":  # dcgan/main.py's order: D on the reals and its backward, then on the fakes
+                # The first pair unsynced, its forward too (DDP decides a backward's sync at its forward); the second
+                # syncs the sum of both in .grad. R1 goes with the reals, GP and R2 with the fakes.
+                with self.parallelism.no_sync():
+                    real_losses = self.discriminator_losses(real, fake, eps, side="real")
+                    d_step.backward(real_losses["d"], sync=False)
+                fake_losses = self.discriminator_losses(real, fake, eps, side="fake")
+                d_step.backward(fake_losses["d"])
+                d_losses = {**real_losses, **fake_losses, "d": real_losses["d"].detach() + fake_losses["d"].detach()}
             else:
+                d_losses = self.discriminator_losses(real, fake, eps)
                 d_step.backward(d_losses["d"])
             self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
             self._d_micro.append(DMicroBatch(z, real, fake, eps))

@@ -202,6 +202,105 @@ def test_modern_gan_under_ddp_equals_one_rank(tmp_path, data):
         assert int(weights["augment.signs"][1]) == 64 and float(weights["augment.p"]) != 0.3
 
 
+# R3GAN's and stylegan2-ada's options on the shipped conv nets, stacked digits as 3 × 8 × 8 images.
+CONV_NETS = {
+    "stylegan2-resnet": (
+        "generator=stylegan2",
+        "discriminator=resnet",
+        "model.generator.noise_mode=const",  # (random noise is each rank's own: the one thing that differs)
+        "model.generator.width=8",
+        "model.generator.w_dim=8",
+        "model.discriminator.width=8",
+        "model.g_reg_every=2",
+        "+model.path_length.weight=2",
+        "+model.path_length.batch_shrink=2",
+    ),
+    "dcgan": ("generator=dcgan", "discriminator=dcgan", "model.generator.width=8", "model.generator.batch_norm=false"),
+}
+
+
+@pytest.mark.parametrize("nets", list(CONV_NETS))
+def test_conv_gan_with_r3gans_options_under_ddp_equals_one_rank(tmp_path, nets):
+    """The shipped conv nets with R1 + R2 on every D step, the schedules over images (the rate by scheduler=images, γ and the EMA half-life by model.schedules), the gradient clean-up, and on the
+    StyleGAN2 pair path length every 2 G steps (its mean length over the global batch) with G's correction, 2
+    micro-batches a step: 2 ranks × b == 1 rank × 2b — G, D, G_ema, pl_mean, the image clock."""
+    common = (
+        "recipe=gan",
+        "data=stacked_digits",
+        "data.resolution=8",
+        "data.n_samples=512",
+        "data.shuffle=false",
+        "model.latent_dim=8",
+        *CONV_NETS[nets],
+        "model.generator.resolution=8",
+        "model.generator.output=sigmoid",
+        "model.discriminator.resolution=8",
+        "model.discriminator.width=8",
+        "model.n_plot_samples=0",
+        "model.loss=relativistic",
+        "model.penalty=[r1,r2]",
+        "model.penalty_weight=0.5",
+        "model.n_critic=1",
+        "model.accumulate_grad_batches=2",
+        "model.clean_gradients=true",
+        "+model.g_ema.half_life_images=1",
+        "+model.schedules.gamma={base_value: 0.5, final_value: 0.05, total_nimg: 384, warmup_nimg: 64}",
+        "+model.schedules.ema_half_life={base_value: 0, final_value: 200, total_nimg: 384}",
+        "optimizer@model.d_optimizer=sgd",
+        "optimizer@model.g_optimizer=sgd",
+        "model.d_optimizer.lr=0.05",
+        "model.g_optimizer.lr=0.05",
+        "scheduler=images",
+        "model.scheduler.total_nimg=384",
+        "model.scheduler.warmup_nimg=128",
+        "trainer.max_steps=12",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=32")
+    _assert_same_weights(two, one, atol=1e-5)
+    weights = load_weights(two / "checkpoints/last.ckpt")
+    assert int(weights["generator_ema.images"]) == 6 * 2 * 32  # 6 D steps of 2 micro-batches of 2 × 16
+    if "path_length.pl_mean" in weights:
+        assert weights["path_length.pl_mean"] > 0
+    assert torch.load(two / "checkpoints/last.ckpt", weights_only=True)["gan_images_seen"] == 6 * 2 * 32
+
+
+def test_dcgans_two_backward_calls_under_ddp_equal_one_rank(tmp_path):
+    """``loss=bce`` (dcgan/main.py's D step: the reals' forward and backward, then the fakes'; the sums in .grad) on
+    the DCGAN pair without BatchNorm: 2 ranks × b == 1 rank × 2b. (The first pair runs unsynced, its forward
+    included: DDP decides a backward's sync at its forward. Both forwards first, then both backward calls, was 5e-4
+    off under DDP before 2026-11-28, while FSDP2 and one rank agreed.)"""
+    common = (
+        "recipe=gan",
+        "data=stacked_digits",
+        "data.resolution=8",
+        "data.n_samples=512",
+        "data.shuffle=false",
+        "model.latent_dim=8",
+        *CONV_NETS["dcgan"],
+        "model.generator.resolution=8",
+        "model.generator.output=sigmoid",
+        "model.discriminator.resolution=8",
+        "model.discriminator.width=8",
+        "model.discriminator.sigmoid=true",
+        "model.loss=bce",
+        "model.penalty=none",
+        "model.n_critic=1",
+        "model.n_plot_samples=0",
+        "optimizer@model.d_optimizer=sgd",
+        "optimizer@model.g_optimizer=sgd",
+        "scheduler=constant",
+        "trainer.max_steps=12",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    two = _train(tmp_path / "ddp", *common, *DDP, "data.batch_size=16")
+    one = train_here(tmp_path / "one", *QUIET_RUN, *common, *ONE, "data.batch_size=32")
+    _assert_same_weights(two, one)
+
+
 def test_gan_quality_metrics_gather_every_ranks_samples(tmp_path):
     """FID, KID, PRDC and the stacked-digit modes under DDP: every rank updates its own validation batches and
     computes on all of them (torchmetrics' gather; no rank-0-only collective: DETAIL checks the order)."""

@@ -82,8 +82,9 @@ def dcgan_weights_init(m: nn.Module) -> None:
 
 class DCGANGenerator(nn.Module):
     """z (latent_dim) → a (channels, resolution, resolution) image: a 4 × 4 transposed convolution, then stride-2
-    transposed convolutions halving the width (``width`` · 2^(stages−1) down to ``width``), BatchNorm and ReLU
-    between, ``output`` last (the script's Tanh)."""
+    transposed convolutions halving the width (``width`` · 2^(stages−1) down to ``width``), BatchNorm (the script's;
+    ``batch_norm=false``: none, so k micro-batches are one batch and 2 ranks × b one rank × 2b) and ReLU between,
+    ``output`` last (the script's Tanh)."""
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class DCGANGenerator(nn.Module):
         resolution: int = 64,
         width: int = 64,
         output: Literal["tanh", "sigmoid", "none"] = "tanh",
+        batch_norm: bool = True,
     ) -> None:
         super().__init__()
         _check(latent_dim=latent_dim, channels=channels, width=width)
@@ -100,7 +102,8 @@ class DCGANGenerator(nn.Module):
         widths = [width * 2 ** (stages - 1 - i) for i in range(stages)]  # 64 × 64, width 64: 512, 256, 128, 64
         layers: list[nn.Module] = [nn.ConvTranspose2d(latent_dim, widths[0], 4, 1, 0, bias=False)]
         for w_in, w_out in zip(widths, [*widths[1:], channels]):
-            layers += [nn.BatchNorm2d(w_in), nn.ReLU(True), nn.ConvTranspose2d(w_in, w_out, 4, 2, 1, bias=False)]
+            norm = [nn.BatchNorm2d(w_in)] if batch_norm else []
+            layers += [*norm, nn.ReLU(True), nn.ConvTranspose2d(w_in, w_out, 4, 2, 1, bias=False)]
         self.main = nn.Sequential(*layers)
         self.latent_dim, self.output = latent_dim, output
         self.apply(dcgan_weights_init)
@@ -201,7 +204,7 @@ class NoiseInput(nn.Module):
 
     def __init__(self, resolution: int) -> None:
         super().__init__()
-        self.strength = nn.Parameter(torch.zeros(()))
+        self.strength = nn.Parameter(torch.zeros(1))  # (1,), not a scalar: fully_shard refuses 0-d parameters
         self.register_buffer("const", torch.randn(1, 1, resolution, resolution))
 
     def forward(self, x: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

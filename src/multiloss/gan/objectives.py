@@ -169,6 +169,7 @@ def discriminator_loss(
     penalties: dict[str, float],
     scaler: Any = None,
     observe_real: Callable[[torch.Tensor], None] | None = None,
+    side: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """D's loss ``d`` and its terms (`discriminator_terms`), plus each of ``penalties`` (gp, r1, r2 → its weight)
     times its weight; ``observe_real``: told D's scores of the reals (ADA's r_t).
@@ -177,16 +178,25 @@ def discriminator_loss(
     which takes both: ``Trainer.py`` 28-42, γ/2·(R1 + R2)): one D forward of the reals and one of the fakes, so with
     augmentation on each penalty is taken at the augmentation D's loss saw, not at another draw. (GP scores its own
     interpolates.)
+
+    ``side``: ``real`` or ``fake`` for one side alone (its terms, its penalties: R1 the reals', GP and R2 the
+    fakes'), so a loop can backward each side before scoring the other (dcgan/main.py's order, ``loss=bce``).
     """
+    if side is not None:
+        assert loss == "bce", "one side at a time is the two-term BCE's (the other losses pair the sides)"
+        penalties = {n: w for n, w in penalties.items() if (n == "r1") == (side == "real")}
     if "r1" in penalties:
         real = real.detach().requires_grad_(True)
     if "r2" in penalties:
         fake = fake.detach().requires_grad_(True)
-    d_real = critic(real)
-    if observe_real is not None:
+    d_real = critic(real) if side != "fake" else None
+    if observe_real is not None and d_real is not None:
         observe_real(d_real)
-    d_fake = critic(fake)
-    losses = discriminator_terms(loss, d_real, d_fake)
+    d_fake = critic(fake) if side != "real" else None
+    if side is None:
+        losses = discriminator_terms(loss, d_real, d_fake)
+    else:
+        losses = {"d_real": bce(d_real, 1.0)} if side == "real" else {"d_fake": bce(d_fake, 0.0)}
     total = sum(losses.values())
     for name, weight in penalties.items():
         if name == "gp":
