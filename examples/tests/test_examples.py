@@ -175,9 +175,7 @@ def test_residual_gan_steps_equal_the_references(data, loss):
     (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, len(real), module.latent_dim, draws=2)
     with torch.no_grad():
         fake = module.generator(z)
-    d_grads = testing.discriminator_gradients(
-        module.discriminator, real, fake, loss, module.penalties, eps=eps
-    )
+    d_grads = testing.discriminator_gradients(module.discriminator, real, fake, loss, module.penalties, eps=eps)
     testing.assert_gradients_close(d_step, d_grads)
     stepped = testing.sgd_step(module.discriminator, d_grads, lr, prefix="discriminator.")
     testing.assert_gradients_close(g_step, testing.generator_gradients(module.generator, stepped, z_g, loss))

@@ -189,9 +189,7 @@ def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
     (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, BATCH, model.latent_dim, draws=2)
     with torch.no_grad():
         fake = model.generator(z)
-    d_grads = testing.discriminator_gradients(
-        model.discriminator, real, fake, model.loss, model.penalties, eps=eps
-    )
+    d_grads = testing.discriminator_gradients(model.discriminator, real, fake, model.loss, model.penalties, eps=eps)
     testing.assert_gradients_close(d_step, d_grads, atol=1e-6)
     stepped_d = testing.sgd_step(model.discriminator, d_grads, lr, prefix="discriminator.")
     g_grads = testing.generator_gradients(model.generator, stepped_d, z_g, model.loss, real=real)

@@ -172,7 +172,9 @@ def test_a_penalty_refuses_batch_norm_and_the_old_key_still_loads(make_cfg, tmp_
     old = GAN(generator=mlp, discriminator=critic, loss="wgan-gp", gp_weight=10.0)
     assert old.penalties == {"gp": 10.0}
     assert GAN(generator=mlp, discriminator=critic, gp_weight=0.0).penalties == {}
-    assert GAN(generator=mlp, discriminator=critic, gp_weight=2.0, penalty="gp", penalty_weight=0.1).penalties == {"gp": 2}
+    assert GAN(generator=mlp, discriminator=critic, gp_weight=2.0, penalty="gp", penalty_weight=0.1).penalties == {
+        "gp": 2
+    }
     with pytest.raises(ConfigError) as err:
         GAN(generator=mlp, discriminator=critic, gp_weight=1.0, penalty="r1", penalty_weight=1.0)
     assert err.value.key == "gp_weight"

@@ -67,8 +67,9 @@ class DigitFeatures(nn.Module):
     """The shipped classifier's hidden layer as a frozen feature extractor (torchmetrics' ``feature=`` module).
 
     Takes samples of k digits (k · 64 values in [0, 1]: ``(N, 64)``, ``(N, 1, 8, 8)``, stacked digits ``(N, 192)``
-    or ``(N, 3, 8, 8)``, or enlarged ``(N, k, 8m, 8m)``: averaged back to 8 × 8) and returns each digit's 64 features side by side, ``(N, k · 64)``; `classify` returns
-    each digit's class ``(N, k)``. ``num_features``: k · 64, for torchmetrics.
+    or ``(N, 3, 8, 8)``, or enlarged ``(N, k, 8m, 8m)``: averaged back to 8 × 8) and returns each digit's 64
+    features side by side, ``(N, k · 64)``; `classify` returns each digit's class ``(N, k)``. ``num_features``:
+    k · 64, for torchmetrics.
     """
 
     def __init__(self, digits_per_sample: int = 1, path: Path = WEIGHTS) -> None:
