@@ -251,10 +251,8 @@ def _stylegan2_ada_loop(G, D, reals, zs, draws=None, ada=None, G_reg_interval=No
         for phase in phases:
             if batch_idx % phase["interval"] != 0:
                 continue
-            if phase["name"] == "Dreg" or (phase["name"] == "Greg" and pl_weight == 0):
-                z = None  # (a phase that runs no G: the recipe draws no z for it)
-            else:
-                z = zs.pop(0)
+            runs_g = not (phase["name"] == "Dreg" or (phase["name"] == "Greg" and pl_weight == 0))
+            z = zs.pop(0) if runs_g else None  # (a phase that runs no G: the recipe draws no z for it)
             phase["opt"].zero_grad(set_to_none=True)
             phase["module"].requires_grad_(True)
             _accumulate_gradients(phase["name"], G, D, real_img, z, gain=phase["interval"], state=state)
@@ -385,7 +383,7 @@ def test_path_length_equals_stylegan2_adas_greg_phase(make_cfg):
 def test_g_reg_every_alone_corrects_gs_adam_as_stylegan2_adas_cifar_config(make_cfg):
     """``G_reg_interval=4`` with ``pl_weight=0`` (stylegan2-ada's cifar config): its Greg phase takes no gradient, but
     G's Adam runs at lr·4/5 and betas^(4/5). ``model.g_reg_every=4`` alone: equal to 1e-6, no hand-made Adam."""
-    model, trainer, record, (G, D, G_ema, opt_g, opt_d, _) = _recipe_and_reference(
+    model, trainer, _, (G, D, G_ema, opt_g, opt_d, _) = _recipe_and_reference(
         make_cfg, "model.g_reg_every=4", G_reg_interval=4, pl_weight=0.0
     )
     assert opt_g.param_groups[0]["lr"] == pytest.approx(LR * 4 / 5)
