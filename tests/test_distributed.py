@@ -221,9 +221,10 @@ CONV_NETS = {
 
 @pytest.mark.parametrize("nets", list(CONV_NETS))
 def test_conv_gan_with_r3gans_options_under_ddp_equals_one_rank(tmp_path, nets):
-    """The shipped conv nets with R1 + R2 on every D step, the schedules over images (the rate by scheduler=images, γ and the EMA half-life by model.schedules), the gradient clean-up, and on the
-    StyleGAN2 pair path length every 2 G steps (its mean length over the global batch) with G's correction, 2
-    micro-batches a step: 2 ranks × b == 1 rank × 2b — G, D, G_ema, pl_mean, the image clock."""
+    """The shipped conv nets with R1 + R2 on every D step, the schedules over images (the rate by scheduler=images,
+    γ and the EMA half-life by model.schedules), the gradient clean-up, and on the StyleGAN2 pair path length every 2
+    G steps (its mean length over the global batch) with G's correction, 2 micro-batches a step: 2 ranks × b == 1
+    rank × 2b — G, D, G_ema, pl_mean, the image clock."""
     common = (
         "recipe=gan",
         "data=stacked_digits",
