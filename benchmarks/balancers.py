@@ -30,6 +30,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -87,8 +88,15 @@ class Runner:
     """Runs jobs ``jobs`` at a time (spawned processes of ``threads`` threads each), keeping each result in
     ``results`` (JSON lines) and reading the ones already there instead of running them again."""
 
-    def __init__(self, jobs: int = 1, threads: int = 1, results: Path | None = None) -> None:
+    def __init__(
+        self,
+        jobs: int = 1,
+        threads: int = 1,
+        results: Path | None = None,
+        run_job: Callable[[Job], Result] | None = None,
+    ) -> None:
         self.jobs, self.threads, self.results = jobs, threads, results
+        self.run_job = run_job or _run_job  # (a job's "balancer" is its configuration's name for another benchmark)
         self.done: dict[Job, Result] = {}
         if results is not None and results.exists():
             for line in results.read_text().splitlines():
@@ -110,13 +118,13 @@ class Runner:
         start = time.perf_counter()
         if self.jobs == 1:
             for job in missing:
-                self._keep(job, _run_job(job), time.perf_counter() - start)
+                self._keep(job, self.run_job(job), time.perf_counter() - start)
         elif missing:
             spawn = multiprocessing.get_context("spawn")  # no forked torch state in the workers
             with ProcessPoolExecutor(
                 self.jobs, spawn, initializer=torch.set_num_threads, initargs=(self.threads,)
             ) as pool:
-                futures = {pool.submit(_run_job, job): job for job in missing}
+                futures = {pool.submit(self.run_job, job): job for job in missing}
                 for future in as_completed(futures):
                     try:
                         self._keep(futures[future], future.result(), time.perf_counter() - start)
