@@ -42,6 +42,7 @@ it (a finite-difference check in the tests).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar, Literal
 
 import lightning as L
@@ -429,7 +430,9 @@ class GAN(Recipe):
         if self.attached_trainer is not None:
             for config in self.trainer.lr_scheduler_configs:
                 if getattr(config.scheduler, "interval", None) == "images":
-                    config.scheduler.step()
+                    with warnings.catch_warnings():  # torch's "step() before optimizer.step()": the rate of this
+                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")  # batch, by design
+                        config.scheduler.step()
         if not self.schedules:
             return
         images, curves = self.images_seen, self.schedules

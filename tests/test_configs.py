@@ -31,6 +31,10 @@ RECIPE_OF = {
     "net/char_lstm.yaml": "tbptt",
     "generator/mlp.yaml": "gan",
     "discriminator/mlp.yaml": "gan",
+    "generator/dcgan.yaml": "gan",
+    "generator/stylegan2.yaml": "gan",
+    "discriminator/dcgan.yaml": "gan",
+    "discriminator/resnet.yaml": "gan",
     "balancer/fixed.yaml": "weighted",
     "balancer/uncertainty.yaml": "weighted",
     "balancer/dwa.yaml": "weighted",
@@ -101,7 +105,7 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
     from multiloss.data.export import digit_images, write_image_zip, write_samples
 
     rel = str(path.relative_to(CONFIG_DIR))
-    if rel == "data/images.yaml":
+    if rel in ("data/images.yaml", "experiment/r3gan.yaml", "experiment/stylegan2_ada.yaml"):
         write_image_zip(npz_file.with_name("images.zip"), digit_images()[:50], np.arange(50) % 10)
     if rel == "data/samples.yaml":
         write_samples(npz_file.with_name("samples"), dict(np.load(npz_file)))
@@ -123,6 +127,8 @@ def test_every_config_composes_and_instantiates(make_cfg, path, npz_file):
         "tasks/regression.yaml": ["experiment=task_regression"],
         "data/task_regression.yaml": ["experiment=task_regression"],
         "experiment/scenes.yaml": [f"data.path={scenes}"],
+        "experiment/r3gan.yaml": [f"data.path={npz_file.with_name('images.zip')}", "data.channels=3"],
+        "experiment/stylegan2_ada.yaml": [f"data.path={npz_file.with_name('images.zip')}", "data.channels=3"],
         "tasks/scenes.yaml": ["experiment=scenes", f"data.path={scenes}"],
     }
     if rel.startswith("hparams_search/") and not HAS_OPTUNA_SWEEPER:

@@ -235,3 +235,31 @@ def test_the_conv_nets_train_from_an_image_folder(make_cfg, tmp_path):
     )
     assert math.isfinite(metrics["loss/d"]) and math.isfinite(metrics["loss/g"])
     assert list((tmp_path / "run").rglob("samples/epoch_000.png"))
+
+
+@pytest.mark.parametrize("experiment", ["r3gan", "stylegan2_ada"])
+def test_the_loops_experiments_train_from_an_image_folder(make_cfg, tmp_path, experiment):
+    """``experiment=r3gan`` and ``experiment=stylegan2_ada`` (the loops' own defaults) on an image folder, made small
+    from the shell (8 × 8, narrow nets): every phase runs (R1 + R2 and the schedules; Greg and Dreg), the losses
+    finite."""
+    _image_folder(tmp_path / "images")
+    small = ("model.generator.width=8", "model.generator.w_dim=8", "model.discriminator.width=8")
+    metrics = train(
+        make_cfg(
+            f"experiment={experiment}",
+            f"data.path={tmp_path / 'images'}",
+            "data.resolution=8",
+            "data.batch_size=8",
+            "model.latent_dim=8",
+            *small,
+            "model.n_plot_samples=0",
+            "trainer.max_steps=36",
+            "trainer.limit_val_batches=0",
+            "trainer.num_sanity_val_steps=0",
+            output_dir=tmp_path / "run",
+        )
+    )
+    assert math.isfinite(metrics["loss/d"]) and math.isfinite(metrics["loss/g"])
+    names = next(csv.reader(next((tmp_path / "run").rglob("metrics.csv")).open()))
+    expected = ("loss/r1", "loss/r2") if experiment == "r3gan" else ("loss/r1", "loss/path_length")
+    assert set(expected) <= set(names), names
