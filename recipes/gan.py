@@ -37,6 +37,8 @@ it (a finite-difference check in the tests).
     python train.py recipe=gan                     # WGAN-GP on 8 Gaussians on a ring
     python train.py recipe=gan data=gaussians25    # 25 on a grid
     python train.py recipe=gan model.loss=relativistic model.penalty=r1 model.penalty_weight=0.05 model.penalty_every=16
+    python train.py experiment=r3gan data.path=images.zip           # R3GAN's loop: RpGAN + R1 + R2, its schedules
+    python train.py experiment=stylegan2_ada data.path=images.zip   # stylegan2-ada's: lazy R1, path length, G_ema
     python train.py --config-dir my_configs recipe=gan generator=my_gen discriminator=my_critic
 """
 
@@ -83,21 +85,27 @@ class GAN(Recipe):
     BatchNorm with a penalty; ``g_optimizer``, ``d_optimizer`` (``adam_gan``), one schedule each (``linear_decay``);
     batches with ``x``. ``data_dim`` feeds the shipped ``mlp`` options only.
 
-    The step reads top to bottom in ``training_step``: D's micro-batch on detached fakes (only D's weights requiring
-    grad), D's step every k-th batch; then, when `multiloss.gan.phases.generator_steps_after` says, G's k
+    The step reads top to bottom in ``training_step``: this batch's scheduled values (over the images seen); D's
+    micro-batch on detached fakes (only D's weights requiring grad), D's step every k-th batch (and, lazily, its
+    penalties' own step); then, when `multiloss.gan.phases.generator_steps_after` says, G's k
     micro-batches through the D just updated (``g_step_after``: the paper's order, PyTorch-GAN's, stylegan2-ada's),
-    on ``g_input`` (fresh noise, D's noise, or D's very fakes). ``trainer.max_steps`` counts both optimizers' steps.
+    on ``g_input`` (fresh noise, D's noise, or D's very fakes), and every ``g_reg_every``-th G step path length's own
+    G step. ``trainer.max_steps`` counts both optimizers' steps (not the lazy ones).
 
-    Where the parts live (`multiloss.gan`): the losses (``loss``) and penalties (``penalty``, ``penalty_weight``,
-    ``penalty_every``: every D step, or stylegan2-ada's lazy regularization with D's Adam corrected) in
-    `multiloss.gan.objectives`; what D sees (``augment``: DiffAugment, ADA) in `multiloss.gan.augment`; the moving
+    Where the parts live (`multiloss.gan`): the losses (``loss``) and penalties (``penalty``, one or several — R3GAN's
+    ``[r1, r2]`` —, ``penalty_weight``, ``penalty_every``: every D step, or stylegan2-ada's lazy regularization with
+    D's Adam corrected) in `multiloss.gan.objectives`; G's lazy regularization (``g_reg_every``: G's Adam corrected;
+    ``path_length``) in `multiloss.gan.path_length`; the values over the images seen (``schedules``: γ, β2, the EMA
+    half-life, the augmentation's p; the rate: ``scheduler=images``) in `multiloss.gan.schedules`; the shipped conv
+    nets in `multiloss.gan.nets`; what D sees (``augment``: DiffAugment, ADA) in `multiloss.gan.augment`; the moving
     average of G (``g_ema``: validation, samples, ``multiloss-eval`` and ``forward`` sample from it) in
     `multiloss.gan.ema`; the training noise (its own generator seeded with ``noise_seed``, drawn for the global
     batch, checkpointed) in `multiloss.gan.noise`; the quality metrics (``metrics``) in `multiloss.gan.metrics`.
 
-    Logs ``loss/d`` (its terms ``loss/d_real``, ``loss/d_fake`` or ``loss/d_pair``, the weighted ``loss/<penalty>``),
-    ``loss/g`` on G's steps; ``val/loss/d``, ``val/loss/g``, ``val/modes`` and ``val/high_quality`` on Gaussian
-    mixtures, the quality metrics with ``metrics``; ``samples/epoch_<n>.png`` at every epoch end.
+    Logs ``loss/d`` (its terms ``loss/d_real``, ``loss/d_fake`` or ``loss/d_pair``, each ``loss/<penalty>``),
+    ``loss/g`` on G's steps, ``loss/path_length`` on path length's; ``val/loss/d``, ``val/loss/g``, ``val/modes``
+    and ``val/high_quality`` on Gaussian mixtures, the quality metrics with ``metrics``; ``samples/epoch_<n>.png``
+    at every epoch end.
 
     Raises:
         ConfigError: an option out of its range or a combination no loop runs (`multiloss.gan.options`), the step
@@ -431,7 +439,7 @@ class GAN(Recipe):
             for config in self.trainer.lr_scheduler_configs:
                 if getattr(config.scheduler, "interval", None) == "images":
                     with warnings.catch_warnings():  # torch's "step() before optimizer.step()": the rate of this
-                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")  # batch, by design
+                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")  # batch, by design
                         config.scheduler.step()
         if not self.schedules:
             return
