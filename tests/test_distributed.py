@@ -203,6 +203,22 @@ def test_modern_gan_under_ddp_equals_one_rank(tmp_path, data):
 
 
 # R3GAN's and stylegan2-ada's options on the shipped conv nets, stacked digits as 3 × 8 × 8 images.
+STACKED_IMAGES = (
+    "recipe=gan",
+    "data=stacked_digits",
+    "data.resolution=8",
+    "data.n_samples=512",
+    "data.shuffle=false",
+    "model.latent_dim=8",
+)
+CONV_AT_8 = (
+    "model.generator.resolution=8",
+    "model.generator.output=sigmoid",
+    "model.discriminator.resolution=8",
+    "model.discriminator.width=8",
+    "model.n_plot_samples=0",
+    "model.n_critic=1",
+)
 CONV_NETS = {
     "stylegan2-resnet": (
         "generator=stylegan2",
@@ -226,22 +242,12 @@ def test_conv_gan_with_r3gans_options_under_ddp_equals_one_rank(tmp_path, nets):
     G steps (its mean length over the global batch) with G's correction, 2 micro-batches a step: 2 ranks × b == 1
     rank × 2b — G, D, G_ema, pl_mean, the image clock."""
     common = (
-        "recipe=gan",
-        "data=stacked_digits",
-        "data.resolution=8",
-        "data.n_samples=512",
-        "data.shuffle=false",
-        "model.latent_dim=8",
+        *STACKED_IMAGES,
         *CONV_NETS[nets],
-        "model.generator.resolution=8",
-        "model.generator.output=sigmoid",
-        "model.discriminator.resolution=8",
-        "model.discriminator.width=8",
-        "model.n_plot_samples=0",
+        *CONV_AT_8,
         "model.loss=relativistic",
         "model.penalty=[r1,r2]",
         "model.penalty_weight=0.5",
-        "model.n_critic=1",
         "model.accumulate_grad_batches=2",
         "model.clean_gradients=true",
         "+model.g_ema.half_life_images=1",
@@ -274,22 +280,12 @@ def test_dcgans_two_backward_calls_under_ddp_equal_one_rank(tmp_path):
     included: DDP decides a backward's sync at its forward. Both forwards first, then both backward calls, was 5e-4
     off under DDP before 2026-11-28, while FSDP2 and one rank agreed.)"""
     common = (
-        "recipe=gan",
-        "data=stacked_digits",
-        "data.resolution=8",
-        "data.n_samples=512",
-        "data.shuffle=false",
-        "model.latent_dim=8",
+        *STACKED_IMAGES,
         *CONV_NETS["dcgan"],
-        "model.generator.resolution=8",
-        "model.generator.output=sigmoid",
-        "model.discriminator.resolution=8",
-        "model.discriminator.width=8",
+        *CONV_AT_8,
         "model.discriminator.sigmoid=true",
         "model.loss=bce",
         "model.penalty=none",
-        "model.n_critic=1",
-        "model.n_plot_samples=0",
         "optimizer@model.d_optimizer=sgd",
         "optimizer@model.g_optimizer=sgd",
         "scheduler=constant",

@@ -38,6 +38,15 @@ QUIET_RUN = (*QUIET, "~callbacks.loss_curves", "trainer.num_sanity_val_steps=0",
 SMALL_NET = ("model.net.width=16", "data.shuffle=false")
 # The GAN on FSDP2's own schedule: no gradient penalty (with one, the critic is held whole: gan-wgan-gp below).
 GAN = ("recipe=gan", "model.loss=nonsaturating", "model.penalty=none", *SMALL_GAN, "model.n_plot_samples=0")
+# Stacked digits as 3 × 8 × 8 images, for the conv nets.
+STACKED_IMAGES = (
+    "recipe=gan",
+    "data=stacked_digits",
+    "data.resolution=8",
+    "data.n_samples=512",
+    "data.batch_size=16",
+    "model.latent_dim=8",
+)
 RECIPES = {
     "multihead": ("recipe=multihead", *SMALL_NET, "data.batch_size=64", "trainer.max_steps=6"),
     # Units by class (the trunk's blocks; the heads stay in the root's unit), each block's forward recomputed in
@@ -130,12 +139,7 @@ RECIPES = {
     # G without its BatchNorm: with it, FSDP2 ends 2.6e-3 from DDP after 12 steps (cause not found; DDP broadcasts
     # rank 0's running statistics at each of G's forwards through its wrapper, FSDP2 does not).
     "gan-stylegan2": (
-        "recipe=gan",
-        "data=stacked_digits",
-        "data.resolution=8",
-        "data.n_samples=512",
-        "data.batch_size=16",
-        "model.latent_dim=8",
+        *STACKED_IMAGES,
         "generator=stylegan2",
         "discriminator=resnet",
         "model.generator.resolution=8",
@@ -160,12 +164,7 @@ RECIPES = {
         "trainer.max_steps=12",
     ),
     "gan-dcgan": (
-        "recipe=gan",
-        "data=stacked_digits",
-        "data.resolution=8",
-        "data.n_samples=512",
-        "data.batch_size=16",
-        "model.latent_dim=8",
+        *STACKED_IMAGES,
         "generator=dcgan",
         "discriminator=dcgan",
         "model.generator.resolution=8",

@@ -35,6 +35,7 @@ from multiloss.config import check_config
 from multiloss.gan.objectives import discriminator_loss
 from tests.conftest import BARE, load_weights
 from tests.helpers import straight_and_resumed
+from tests.recipes.test_gan_modern import RESUMABLE
 from tests.recipes.test_gan_stylegan2_ada import Draws, _Record, xflip
 
 BATCH, LATENT, ITERATIONS = 32, 16, 34
@@ -338,12 +339,7 @@ def test_schedules_resume_exactly(make_cfg, tmp_path):
     checkpoint; each value is recomputed from it), with path length on as well."""
     common = (
         *R3GAN,
-        "trainer.accelerator=cpu",
-        "trainer.limit_val_batches=0",
-        "logger=none",
-        "~callbacks.loss_curves",
-        "trainer.max_epochs=3",
-        "trainer.limit_train_batches=6",
+        *RESUMABLE,
         "model.g_reg_every=2",
         "+model.path_length.weight=2",
     )
