@@ -263,3 +263,33 @@ def test_the_loops_experiments_train_from_an_image_folder(make_cfg, tmp_path, ex
     names = next(csv.reader(next((tmp_path / "run").rglob("metrics.csv")).open()))
     expected = ("loss/r1", "loss/r2") if experiment == "r3gan" else ("loss/r1", "loss/path_length")
     assert set(expected) <= set(names), names
+
+
+def test_the_stylegan2_pair_with_random_noise_resumes_exactly(make_cfg, tmp_path):
+    """The shipped StyleGAN2 G (random noise: its draws counted in a buffer) and residual D, R1 + R2, path length:
+    stopped mid-epoch and resumed == straight through, 0.0 on every weight and buffer."""
+    from tests.conftest import load_weights
+    from tests.helpers import straight_and_resumed
+    from tests.recipes.test_gan_modern import RESUMABLE
+
+    common = (
+        *(o for o in STACKED if not o.startswith(("trainer.", "logger=", "+model.metrics", "data.resolution"))),
+        "data.resolution=8",
+        "generator=stylegan2",
+        "discriminator=resnet",
+        "model.generator.resolution=8",
+        "model.generator.width=8",
+        "model.generator.w_dim=8",
+        "model.discriminator.resolution=8",
+        "model.discriminator.width=8",
+        "model.g_reg_every=2",
+        "+model.path_length.weight=2",
+        "+model.g_ema.half_life_images=100",
+        "model.n_plot_samples=0",
+        *RESUMABLE,
+    )
+    runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=14", end="trainer.max_steps=30")
+    straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert any(not torch.equal(first[k], straight[k]) for k in straight)
+    assert int(straight["generator.synthesis.noise_calls"]) > 15  # every training forward drew its noise
