@@ -212,6 +212,11 @@ class GAN(Recipe):
             return "path length differentiates its gradient, a double backward torch.compile does not support"
         return ""
 
+    def scheduled_settings(self, index: int) -> tuple[str, ...]:
+        """The optimizer settings ``apply_schedules`` sets every batch (optimizer ``index``: 0 G's, 1 D's): a resume
+        keeps the checkpoint's instead of reporting the config's as a change."""
+        return ("betas",) if betas_at(self.schedules, ("generator", "discriminator")[index], 0) is not None else ()
+
     @property
     def images_seen_clock(self) -> Any:
         """The clock of the schedules over images (``scheduler=images``): the images D has trained on so far."""

@@ -334,16 +334,18 @@ def test_the_curve_is_r3gans_and_linear_is_a_line():
     assert [line(i) for i in (0, 25, 50, 100, 101)] == pytest.approx([1.0, 0.75, 0.5, 0.0, 0.0])
 
 
-def test_schedules_resume_exactly(make_cfg, tmp_path):
+def test_schedules_resume_exactly(make_cfg, tmp_path, caplog):
     """Stopped inside the warm-up and resumed == straight through, 0.0 on every weight (the clock rides in the
-    checkpoint; each value is recomputed from it), with path length on as well."""
+    checkpoint; each value is recomputed from it), with path length on as well; the scheduled β2 is not reported as
+    a change of the config's betas."""
     common = (
         *R3GAN,
         *RESUMABLE,
         "model.g_reg_every=2",
         "+model.path_length.weight=2",
     )
-    runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=14", end="trainer.max_steps=30")
+    with caplog.at_level("INFO", logger="multiloss"):
+        runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=14", end="trainer.max_steps=30")
     straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), [
         k for k in straight if not torch.equal(straight[k], resumed[k])
@@ -352,6 +354,7 @@ def test_schedules_resume_exactly(make_cfg, tmp_path):
     assert "path_length.pl_mean" in straight and straight["path_length.pl_mean"] > 0
     ckpt = torch.load(runs[2] / "checkpoints/last.ckpt", weights_only=True)
     assert ckpt["gan_images_seen"] == 15 * BATCH and ckpt["gan_g_steps"] == 15
+    assert "resuming with" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,8 @@ class ResumeRule(LeanCallback):
         changes = []
         for index, (optimizer, groups, saved) in enumerate(zip(trainer.optimizers, configured, saved_states)):
             name = keys[index] if index < len(keys) else f"optimizer {index}"
-            changes += _settings(groups, saved, name, type(optimizer).__name__)
+            scheduled = getattr(pl_module, "scheduled_settings", lambda i: ())(index)  # set every batch by the recipe
+            changes += _settings(groups, saved, name, type(optimizer).__name__, scheduled)
         schedules = iter(config.scheduler for config in trainer.lr_scheduler_configs)
         schedulers = [next(schedules, None) if plan.scheduled else None for plan in plans]
         changes += resume_rates(plans, schedulers, checkpoint)
@@ -140,8 +141,12 @@ def _settings_differ(key: str, optimizer: str, saved: list[str]) -> None:
     )
 
 
-def _settings(groups: list[dict[str, Any]], saved: dict[str, Any], key: str, optimizer: str) -> list[str]:
-    """The config's group settings but the rate written over the checkpoint's (which then loads them); the changes."""
+def _settings(
+    groups: list[dict[str, Any]], saved: dict[str, Any], key: str, optimizer: str, scheduled: tuple[str, ...] = ()
+) -> list[str]:
+    """The config's group settings but the rate written over the checkpoint's (which then loads them); the changes.
+    ``scheduled``: settings the recipe sets at every batch from the run's state (the GAN's β2 over images): the
+    checkpoint's stand, as the straight run had them."""
     saved_groups = saved["param_groups"]
     settings = [{k for k in g if k not in ("params", "lr", "initial_lr")} for g in (*groups, *saved_groups)]
     if len(groups) != len(saved_groups) or any(s != settings[0] for s in settings):
@@ -150,7 +155,7 @@ def _settings(groups: list[dict[str, Any]], saved: dict[str, Any], key: str, opt
     for number, (group, old) in enumerate(zip(groups, saved_groups)):
         name = f"{key}" + (f" group {number}" if len(groups) > 1 else "")
         for setting in sorted(settings[0]):
-            if setting != "name" and group[setting] != old[setting]:
+            if setting != "name" and setting not in scheduled and group[setting] != old[setting]:
                 changes.append(f"{name}.{setting}={group[setting]} (the checkpoint's {old[setting]})")
                 old[setting] = group[setting]
     return changes
