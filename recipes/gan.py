@@ -243,14 +243,14 @@ class GAN(Recipe):
         for optimizer, every in ((opt_g, self.g_reg_every), (opt_d, self.penalty_every)):
             if every > 1:
                 correct_betas(optimizer, lazy_ratio(every))
-        for optimizer, network in ((opt_g, "generator"), (opt_d, "discriminator")):
-            scheduled = next((n for n in ("beta2", f"{network[0]}_beta2") if n in self.schedules), None)
+        for optimizer, network, key in ((opt_g, "g", "model.g_optimizer"), (opt_d, "d", "model.d_optimizer")):
+            scheduled = next((n for n in ("beta2", f"{network}_beta2") if n in self.schedules), None)
             require(
                 scheduled is None or all("betas" in group for group in optimizer.param_groups),
                 f"model.schedules.{scheduled}",
                 "set",
-                f"null, or an optimizer with betas (Adam, AdamW) as model.{network[0]}_optimizer",
-                f"model.{network[0]}_optimizer has no betas",
+                f"null, or an optimizer with betas (Adam, AdamW) as {key}",
+                f"{key} has no betas",
             )
         return [self.with_schedule(opt_g, "model.g_optimizer"), self.with_schedule(opt_d, "model.d_optimizer")]
 

@@ -377,6 +377,13 @@ def test_schedules_resume_exactly(make_cfg, tmp_path, caplog):
         (("scheduler=images", "recipe=multihead"), "model.scheduler._target_"),
         (("+model.path_length.weight=-1",), "model.path_length.weight"),
         (("model.g_reg_every=0",), "model.g_reg_every"),
+        (
+            (
+                "+model.schedules.g_beta2={base_value: 0.9, final_value: 0.99, total_nimg: 9}",
+                "optimizer@model.g_optimizer=sgd",
+            ),
+            "model.schedules.g_beta2",
+        ),
         (("model.clean_gradients=maybe",), "model.clean_gradients"),
     ],
 )
