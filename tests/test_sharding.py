@@ -137,8 +137,7 @@ RECIPES = {
     # held whole for its step), path length every 2 G steps (G held whole for its Greg step), the schedules over
     # images (rate, γ, β2, the EMA half-life), the gradient clean-up, Adam; and the DCGAN pair on dcgan/main.py's
     # BCE (two backward calls), G without its BatchNorm: with it, FSDP2 ends 2.6e-3 from DDP after 12 steps (cause
-    # not found; DDP broadcasts rank 0's running statistics at each of G's forwards through its wrapper, FSDP2 does
-    # not).
+    # not found: not DDP's buffer broadcast (off: the same gap), not Adam (SGD: 2.7e-3)).
     "gan-stylegan2": (
         *STACKED_IMAGES,
         "generator=stylegan2",
