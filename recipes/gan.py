@@ -74,7 +74,7 @@ from multiloss.gan.options import build_path_length, check_options, penalty_of
 from multiloss.gan.phases import DMicroBatch, generator_steps_after
 from multiloss.gan.schedules import betas_at, build_schedules, check_schedules
 from multiloss.parallel.ddp import synced
-from multiloss.saving.saved_state import D_STEPS_KEY, G_STEPS_KEY, IMAGES_KEY, NOISE_KEY
+from multiloss.saving.saved_state import D_STEPS_KEY, G_STEPS_KEY, IMAGES_KEY, NOISE_KEY, SCHEDULED_AT_KEY
 
 
 class GAN(Recipe):
@@ -142,6 +142,7 @@ class GAN(Recipe):
         noise_seed: int = 0,
         g_input: Literal["fresh", "same_fakes", "same_z"] = "fresh",
         g_step_after: Literal["last", "first", "before"] = "last",
+        g_reals: Literal["d_batch", "own_batch"] = "d_batch",
         g_ema: dict[str, Any] | None = None,
         augment: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
@@ -161,6 +162,7 @@ class GAN(Recipe):
             n_plot_samples=n_plot_samples,
             g_input=g_input,
             g_step_after=g_step_after,
+            g_reals=g_reals,
             accumulate_grad_batches=self.accumulate_grad_batches,
         )
         generator, discriminator = to_plain(generator), to_plain(discriminator)
@@ -175,11 +177,14 @@ class GAN(Recipe):
         self.penalties, self.penalty_every = penalties, penalty_every  # name -> weight, in the order given
         self.g_reg_every = g_reg_every
         self.latent_dim, self.n_plot_samples, self.noise_seed = latent_dim, n_plot_samples, noise_seed
-        self.g_input, self.g_step_after = g_input, g_step_after
+        self.g_input, self.g_step_after, self.g_reals = g_input, g_step_after, g_reals
         self._d_micro: list[DMicroBatch] = []  # the D step's micro-batches so far (same_z, relativistic, lazy)
+        self._kept: Any = None  # same_fakes: the batch's fakes with G's graph, from D's step to G's
         self.d_steps = 0  # D's (counted) steps so far, checkpointed: the lazy penalty's phase
         self.g_steps = 0  # G's steps so far, checkpointed: the lazy path length's phase
-        self.images_seen = 0  # real images D has trained on (all ranks), checkpointed: the schedules' clock
+        self.images_seen = 0  # real images D has trained on (all ranks), checkpointed
+        # The schedules' clock: images_seen at the start of the iteration (a batch, or own_batch's D-and-G pair).
+        self.scheduled_at = 0
         self.noise_stream = NoiseStream(noise_seed)  # the training noise (multiloss.gan.noise)
 
         self.generator = build_module(generator, "generator")
@@ -219,8 +224,9 @@ class GAN(Recipe):
 
     @property
     def images_seen_clock(self) -> Any:
-        """The clock of the schedules over images (``scheduler=images``): the images D has trained on so far."""
-        return lambda: self.images_seen
+        """The clock of the schedules over images (``scheduler=images``): the images D had trained on when this
+        iteration started (``scheduled_at``)."""
+        return lambda: self.scheduled_at
 
     def lr_rule(self, optimizer: Any) -> tuple[float, dict[str, Any]]:
         # A lazy regularization's extra step: stylegan2-ada's lr × N/(N+1) (its betas: configure_optimizers).
@@ -306,12 +312,14 @@ class GAN(Recipe):
         checkpoint[D_STEPS_KEY] = self.d_steps
         checkpoint[G_STEPS_KEY] = self.g_steps
         checkpoint[IMAGES_KEY] = self.images_seen
+        checkpoint[SCHEDULED_AT_KEY] = self.scheduled_at
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.noise_stream.load(checkpoint.get(NOISE_KEY))
         self.d_steps = checkpoint.get(D_STEPS_KEY, 0)  # (older checkpoints: none taken before the lazy penalty)
         self.g_steps = checkpoint.get(G_STEPS_KEY, 0)
         self.images_seen = checkpoint.get(IMAGES_KEY, 0)
+        self.scheduled_at = checkpoint.get(SCHEDULED_AT_KEY, self.images_seen)
 
     def discriminator_losses(
         self,
@@ -353,19 +361,40 @@ class GAN(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch, (opt_g, opt_d) = self.prepare_batch(batch), self.optimizers()
         real = batch["x"]
-        self.apply_schedules(opt_g, opt_d)  # this batch's rate, β2, γ, half-life, p from the images seen so far
+        # g_reals=own_batch (R3GAN's loop): D's and G's batches alternate (across epochs too), G pairing its fakes with
+        # its own reals.
+        d_turn = self.g_reals == "d_batch" or self.d_steps == self.g_steps
+        if d_turn:  # (G's own batch trains at its iteration's values: the clock moves at D's turn only)
+            self.scheduled_at = self.images_seen
+        self.apply_schedules(opt_g, opt_d)  # this batch's rate, β2, γ, half-life, p from the images seen before it
         g_steps = self.generator_steps_after(batch_idx)
         if g_steps and self.g_step_after == "before":  # stylegan2-ada's order: Gmain, then Dmain (and Dreg)
             self.generator_step(opt_g, real)
-        z, eps = self.noise(len(real))
-        # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step below (through G's own
-        # DDP wrapper, whose backward is then G's step's).
-        kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
+        d_stepped = self.discriminator_step(opt_d, batch_idx, real, g_steps) if d_turn else self.d_schedule_only(opt_d)
 
-        # Discriminator micro-batch; D steps on every k-th batch (and an epoch's last). Inside the block only D's
-        # weights require grad (toggle), DDP all-reduces only when D steps (under FSDP2 with a penalty, D is held
-        # whole for the block, its gradients handed over at its end); the fakes are detached as well, so D's
-        # backward stops at D's input whatever built them.
+        # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
+        # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
+        # (A batch without G's step only advances G's epoch schedule: nothing to toggle.)
+        if self.g_step_after != "before":
+            self.generator_step(opt_g, real, g_steps, self._kept)
+        if g_steps and self.generator_ema is not None:
+            self.generator_ema.update(self.generator)  # after G's step and the batch's D step: the images D saw
+        if d_stepped:
+            self._d_micro = []  # the next D step's micro-batches start a new list
+        self._kept = None
+
+    def discriminator_step(self, opt_d: Any, batch_idx: int, real: torch.Tensor, g_steps: bool) -> bool:
+        """D's micro-batch on this batch's reals and fresh fakes, D's step on every k-th batch (and an epoch's last),
+        then its lazy penalties' step and ADA's move; whether D stepped."""
+        z, eps = self.noise(len(real))
+        # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step (through G's own DDP wrapper,
+        # whose backward is then G's step's).
+        kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
+        self._kept = kept
+
+        # Inside the block only D's weights require grad (toggle), DDP all-reduces only when D steps (under FSDP2 with
+        # a penalty, D is held whole for the block, its gradients handed over at its end); the fakes are detached as
+        # well, so D's backward stops at D's input whatever built them.
         with self.step_of(opt_d, batch_idx, components=("discriminator",), toggle=True) as d_step:
             fake = (kept if kept is not None else self.generator(z)).detach()
             if self.loss == "bce":  # dcgan/main.py's order: D on the reals and its backward, then on the fakes
@@ -391,16 +420,13 @@ class GAN(Recipe):
             images = len(real) * self.trainer.world_size * self.accumulate_grad_batches
             if self.adaptive_augmentation and self.augment.adapt_after(self.d_steps, images):  # ADA's p moved
                 self.log("augment/p", self.augment.p.float(), rank_zero_only=True)
+        return d_step.stepping
 
-        # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
-        # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
-        # (A batch without G's step only advances G's epoch schedule: nothing to toggle.)
-        if self.g_step_after != "before":
-            self.generator_step(opt_g, real, g_steps, kept)
-        if g_steps and self.generator_ema is not None:
-            self.generator_ema.update(self.generator)  # after G's step and the batch's D step: the images D saw
-        if d_step.stepping:
-            self._d_micro = []  # the next D step's micro-batches start a new list
+    def d_schedule_only(self, opt_d: Any) -> bool:
+        """G's own batch (``g_reals=own_batch``): no D step, only D's epoch schedule at an epoch's end."""
+        with self.step_of(opt_d, stepping=False, components=("discriminator",)):
+            pass
+        return False
 
     def generator_step(self, opt_g: Any, real: torch.Tensor, g_steps: bool = True, kept: Any = None) -> None:
         """G's step (or, ``g_steps`` false, only its epoch schedule): k micro-batches through D as it is now."""
@@ -448,7 +474,7 @@ class GAN(Recipe):
                         config.scheduler.step()
         if not self.schedules:
             return
-        images, curves = self.images_seen, self.schedules
+        images, curves = self.scheduled_at, self.schedules
         if "gamma" in curves:
             gamma = curves["gamma"](images)
             self.penalties = dict.fromkeys(self.penalties, gamma)
@@ -487,6 +513,8 @@ class GAN(Recipe):
 
     def generator_steps_after(self, batch_idx: int) -> bool:
         """Whether G steps in training batch ``batch_idx`` (`multiloss.gan.phases.generator_steps_after`)."""
+        if self.g_reals == "own_batch":  # R3GAN's: D on one batch, G on the next with its reals
+            return self.d_steps > self.g_steps
         return generator_steps_after(batch_idx, self.accumulate_grad_batches, self.n_critic, self.g_step_after)
 
     def generator_output(self, micro: int, n: int) -> torch.Tensor:

@@ -135,9 +135,10 @@ RECIPES = {
     "tbptt": ("recipe=tbptt", "data=text", "data.level=chars", "data.layout=streams", "data.batch_size=4"),
     # R3GAN's and stylegan2-ada's options on the shipped conv nets (stacked digits as 3 × 8 × 8 images): R1 + R2 (D
     # held whole for its step), path length every 2 G steps (G held whole for its Greg step), the schedules over
-    # images (rate, γ, β2, the EMA half-life), the gradient clean-up, Adam; and the DCGAN pair on dcgan/main.py's
-    # BCE (two backward calls), G without its BatchNorm: with it, FSDP2 ends 2.6e-3 from DDP after 12 steps (cause
-    # not found: not DDP's buffer broadcast (off: the same gap), not Adam (SGD: 2.7e-3)).
+    # images (rate, γ, β2, the EMA half-life), the gradient clean-up, D and G on their own batches, Adam; and the
+    # DCGAN pair on dcgan/main.py's BCE (two backward calls), G without its BatchNorm: with it, FSDP2 ends 2.6e-3
+    # from DDP after 12 steps (cause not found: not DDP's buffer broadcast (off: the same gap), not Adam (SGD:
+    # 2.7e-3)).
     "gan-stylegan2": (
         *STACKED_IMAGES,
         "generator=stylegan2",
@@ -155,6 +156,7 @@ RECIPES = {
         "model.g_reg_every=2",
         "+model.path_length.weight=2",
         "model.clean_gradients=true",  # (nan_to_num on each rank's shard of the gradients)
+        "model.g_reals=own_batch",  # R3GAN's: D on one batch, G on the next
         "+model.g_ema.half_life_images=1",
         "+model.schedules.gamma={base_value: 0.5, final_value: 0.05, total_nimg: 256}",
         "+model.schedules.beta2={base_value: 0.9, final_value: 0.99, total_nimg: 256}",

@@ -13,10 +13,10 @@ The reference transcribes brownvc/R3GAN at 19a7ddf (github.com/brownvc/R3GAN):
   ``betas = (0, β2)`` set, ``opt.step()``), 349-358 (G_ema: ``0.5 ** (batch_size / max(cur_ema_nimg, 1e-8))``,
   ``p.lerp(p_ema, beta)``, buffers copied; ``cur_nimg += batch_size``).
 
-Two differences, both stated in docs/recipes.md: R3GAN's G phase pairs its fakes with a second real batch
-(``G_img``, lines 290-291), the recipe with the reals of the same batch D trained on; R3GAN's augment pipe is
-stylegan2-ada's (18 transforms), here one x-flip drawn with probability p (the recipe's ``augment.transform``). The
-random numbers (z, the augmentation's draws) are the recipe's, recorded.
+R3GAN's G phase pairs its fakes with a second real batch (``G_img``, lines 290-291): ``model.g_reals=own_batch``, D on
+batch 2i and G on batch 2i + 1 (the recipe's default pairs G's fakes with D's reals). One difference, stated in
+docs/recipes.md: R3GAN's augment pipe is stylegan2-ada's (18 transforms), here one x-flip drawn with probability p
+(the recipe's ``augment.transform``). The random numbers (z, the augmentation's draws) are the recipe's, recorded.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.helpers import straight_and_resumed
 from tests.recipes.test_gan_modern import RESUMABLE
 from tests.recipes.test_gan_stylegan2_ada import Draws, _Record, xflip
 
-BATCH, LATENT, ITERATIONS = 32, 16, 34
+BATCH, LATENT, ITERATIONS = 16, 16, 34  # 68 batches of 16: inside one epoch of the digits' 1,437
 LR = 2e-3
 
 # --- R3GAN/Trainer.py, as written there -------------------------------------------------------------------
@@ -199,6 +199,7 @@ R3GAN = (
     "model.penalty=[r1,r2]",
     "model.penalty_weight=2.0",
     "model.n_critic=1",
+    "model.g_reals=own_batch",
     "+model.g_ema.half_life_images=1",  # (the schedule sets it every batch)
     "+model.augment.transform=tests.recipes.test_gan_stylegan2_ada.xflip",
     "optimizer@model.g_optimizer=adam",
@@ -230,7 +231,8 @@ def _preprocessor(draws: Draws, p: float):
 
 
 def _r3gan_loop(G, D, reals, zs, draws):
-    """training/training_loop.py 284-358 on the recipe's reals and random numbers; the values each iteration used."""
+    """training/training_loop.py 284-358 on the recipe's reals (D's batch, then G's: ``D_img``, ``G_img``) and random
+    numbers; the values each iteration used."""
     G_ema = copy.deepcopy(G).eval()
     G.requires_grad_(False)
     D.requires_grad_(False)
@@ -240,8 +242,8 @@ def _r3gan_loop(G, D, reals, zs, draws):
         for name, module in (("D", D), ("G", G))
     ]
     cur_nimg, used, zs = 0, [], list(zs)
-    for real in reals:
-        real = real.view(-1, 1, 8, 8)
+    for d_img, g_img in zip(reals[0::2], reals[1::2], strict=True):
+        d_img, g_img = d_img.view(-1, 1, 8, 8), g_img.view(-1, 1, 8, 8)
         cur_lr = cosine_decay_with_warmup(cur_nimg, **LR_SCHEDULE)
         cur_beta2 = cosine_decay_with_warmup(cur_nimg, **SCHEDULES["beta2"])
         cur_gamma = cosine_decay_with_warmup(cur_nimg, **SCHEDULES["gamma"])
@@ -254,11 +256,11 @@ def _r3gan_loop(G, D, reals, zs, draws):
             phase["module"].requires_grad_(True)
             z = zs.pop(0)
             if phase["name"] == "D":
-                trainer.AccumulateDiscriminatorGradients(z, real, None, cur_gamma, 1, _preprocessor(draws, p))
+                trainer.AccumulateDiscriminatorGradients(z, d_img, None, cur_gamma, 1, _preprocessor(draws, p))
             else:  # (the recipe scores the reals first: their draw comes first)
                 u_real = draws.next(1)
                 draws.queues[1].insert(1, u_real)
-                trainer.AccumulateGeneratorGradients(z, real, None, 1, _preprocessor(draws, p))
+                trainer.AccumulateGeneratorGradients(z, g_img, None, 1, _preprocessor(draws, p))
             phase["module"].requires_grad_(False)
             for g in phase["opt"].param_groups:
                 g["lr"] = cur_lr
@@ -297,7 +299,8 @@ class _Values(_Record):
 
 
 def test_the_recipe_equals_r3gans_loop_with_its_schedules(make_cfg):
-    """34 iterations of R3GAN's loop (D then G, γ/2·(R1 + R2), relativistic, Adam β1 0) with every schedule
+    """34 iterations of R3GAN's loop (D on one batch, then G on the next, γ/2·(R1 + R2), relativistic, Adam β1 0:
+    68 batches) with every schedule
     R3GAN has — the rate (a warm-up, the cosine, the final value), β2, γ (held, then the cosine), the EMA's half-life
     from 0, the augmentation's p (a warm-up) — on a real augmentation: every value used equals R3GAN's to 1e-9 at
     every batch; G, D, G_ema and both Adam states to 1e-6."""
@@ -308,9 +311,10 @@ def test_the_recipe_equals_r3gans_loop_with_its_schedules(make_cfg):
     record = _Values()
     trainer = instantiate(cfg.trainer, callbacks=[record], logger=False, enable_checkpointing=False)
     trainer.fit(model, datamodule=datamodule)
-    assert len(record.reals) == ITERATIONS and model.images_seen == ITERATIONS * BATCH
+    assert len(record.reals) == 2 * ITERATIONS and model.images_seen == ITERATIONS * BATCH
     G_ema, opt_g, opt_d, used = _r3gan_loop(G, D, record.reals, record.zs, Draws(record.draws))
-    for ours, theirs in zip(record.used, used, strict=True):
+    assert record.used[0::2] == record.used[1::2]  # an iteration's values: set at its D batch, kept for its G batch
+    for ours, theirs in zip(record.used[1::2], used, strict=True):
         assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
     lrs = [u["lr"] for u in used]
     assert lrs[0] == pytest.approx(LR / 10) and max(lrs) == pytest.approx(LR, rel=1e-3) and lrs[-1] == LR / 4
@@ -335,9 +339,9 @@ def test_the_curve_is_r3gans_and_linear_is_a_line():
 
 
 def test_schedules_resume_exactly(make_cfg, tmp_path, caplog):
-    """Stopped inside the warm-up and resumed == straight through, 0.0 on every weight (the clock rides in the
-    checkpoint; each value is recomputed from it), with path length on as well; the scheduled β2 is not reported as
-    a change of the config's betas."""
+    """Stopped inside the warm-up, between a D batch and its G batch, and resumed == straight through, 0.0 on every
+    weight (the clock rides in the checkpoint; each value is recomputed from it), with path length on as well; the
+    scheduled β2 is not reported as a change of the config's betas."""
     common = (
         *R3GAN,
         *RESUMABLE,
@@ -345,7 +349,9 @@ def test_schedules_resume_exactly(make_cfg, tmp_path, caplog):
         "+model.path_length.weight=2",
     )
     with caplog.at_level("INFO", logger="multiloss"):
-        runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=14", end="trainer.max_steps=30")
+        # Stopped after D's 7th step and G's 6th: the resumed run starts on G's own batch (the turn rides in the
+        # step counts), mid-epoch.
+        runs = straight_and_resumed(make_cfg, tmp_path, common, stop="trainer.max_steps=13", end="trainer.max_steps=18")
     straight, first, resumed = (load_weights(run / "checkpoints/last.ckpt") for run in runs)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), [
         k for k in straight if not torch.equal(straight[k], resumed[k])
@@ -353,7 +359,7 @@ def test_schedules_resume_exactly(make_cfg, tmp_path, caplog):
     assert any(not torch.equal(first[k], straight[k]) for k in straight)
     assert "path_length.pl_mean" in straight and straight["path_length.pl_mean"] > 0
     ckpt = torch.load(runs[2] / "checkpoints/last.ckpt", weights_only=True)
-    assert ckpt["gan_images_seen"] == 15 * BATCH and ckpt["gan_g_steps"] == 15
+    assert ckpt["gan_images_seen"] == 9 * BATCH and ckpt["gan_d_steps"] == ckpt["gan_g_steps"] == 9
     assert "resuming with" not in caplog.text
 
 

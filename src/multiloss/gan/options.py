@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from multiloss.config import require, require_options
-from multiloss.gan.objectives import LOSSES, PENALTIES
+from multiloss.gan.objectives import LOSSES, PAIRED, PENALTIES
 from multiloss.gan.path_length import PathLength
 
 G_INPUTS = ("fresh", "same_fakes", "same_z")
@@ -79,6 +79,7 @@ def check_options(
     g_input: str,
     g_step_after: str,
     accumulate_grad_batches: int,
+    g_reals: str = "d_batch",
 ) -> None:
     """`ConfigError` naming the first option out of its range, or the option of a combination no loop runs."""
     for key, value in (
@@ -106,6 +107,15 @@ def check_options(
     require(n_plot_samples >= 0, "n_plot_samples", n_plot_samples, "an integer ≥ 0 (0 = no sample plots)")
     require(g_input in G_INPUTS, "g_input", g_input, "fresh, same_fakes or same_z")
     require(g_step_after in G_STEPS_AFTER, "g_step_after", g_step_after, "last, first or before")
+    require(g_reals in ("d_batch", "own_batch"), "g_reals", g_reals, "d_batch or own_batch")
+    require(
+        g_reals == "d_batch"
+        or (loss in PAIRED and n_critic == 1 and accumulate_grad_batches == 1 and g_step_after == "last"),
+        "g_reals",
+        g_reals,
+        "d_batch, or own_batch with model.loss=relativistic, model.n_critic=1, model.accumulate_grad_batches=1 and "
+        "model.g_step_after=last (R3GAN's loop: D on one batch, then G on the next, its fakes paired with its reals)",
+    )
     require(
         g_step_after != "before" or g_input == "fresh",
         "g_input",

@@ -27,7 +27,10 @@ OLD_HEAD_COUNT_KEY = "multihead_heads"  # read only: multihead's head count in c
 NOISE_KEY = "gan_noise_state"  # the GAN's training-noise generator (a uint8 tensor: weights_only loads it)
 D_STEPS_KEY = "gan_d_steps"  # the GAN's discriminator steps so far: its lazy penalty's phase
 G_STEPS_KEY = "gan_g_steps"  # the GAN's generator steps so far: its lazy path-length phase
-IMAGES_KEY = "gan_images_seen"  # the images D has trained on so far: the clock of the schedules over images
+IMAGES_KEY = "gan_images_seen"  # the images D has trained on so far
+SCHEDULED_AT_KEY = (
+    "gan_scheduled_at"  # the images seen at the iteration's start: the clock of the schedules over images
+)
 VOCABULARY_KEY = "vocab"  # the tbptt vocabulary its token ids mean
 CARRIED_KEY = "tbptt_carried_state"  # tbptt streams: every rank's state carried into the next batch
 
@@ -50,6 +53,7 @@ SAVED_KEYS = (
     SavedKey(D_STEPS_KEY, "multiloss.recipes.gan"),
     SavedKey(G_STEPS_KEY, "multiloss.recipes.gan"),
     SavedKey(IMAGES_KEY, "multiloss.recipes.gan"),
+    SavedKey(SCHEDULED_AT_KEY, "multiloss.recipes.gan"),
     SavedKey(VOCABULARY_KEY, "multiloss.recipes.tbptt"),
     SavedKey(CARRIED_KEY, "multiloss.recipes.tbptt"),
 )
