@@ -36,7 +36,7 @@ from multiloss.gan.objectives import discriminator_loss
 from tests.conftest import BARE, load_weights
 from tests.helpers import straight_and_resumed
 from tests.recipes.test_gan_modern import RESUMABLE
-from tests.recipes.test_gan_stylegan2_ada import Draws, _Record, xflip
+from tests.recipes.test_gan_stylegan2_ada import Draws, _Record, conv_digits, xflip
 
 BATCH, LATENT, ITERATIONS = 16, 16, 34  # 68 batches of 16: inside one epoch of the digits' 1,437
 LR = 2e-3
@@ -185,16 +185,7 @@ def _override(name: str, spec: dict) -> str:
 
 
 R3GAN = (
-    "recipe=gan",
-    "data=digits",
-    f"data.batch_size={BATCH}",
-    f"model.latent_dim={LATENT}",
-    "model.data_dim=64",
-    "model.n_plot_samples=0",
-    "~model.generator",
-    "~model.discriminator",
-    "+model.generator={_target_: tests.recipes.test_gan_stylegan2_ada.ConvGenerator}",
-    "+model.discriminator={_target_: tests.recipes.test_gan_stylegan2_ada.ConvDiscriminator}",
+    *conv_digits(BATCH),
     "model.loss=relativistic",
     "model.penalty=[r1,r2]",
     "model.penalty_weight=2.0",

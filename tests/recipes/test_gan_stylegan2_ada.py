@@ -92,18 +92,25 @@ class ConvDiscriminator(nn.Module):
         return self.out(self.net(x.view(-1, 1, 8, 8)))
 
 
+def conv_digits(batch: int, latent: int = LATENT) -> tuple[str, ...]:
+    """The GAN on the digits with the conv nets above (the transcribed loops' setting)."""
+    return (
+        "recipe=gan",
+        "data=digits",
+        f"data.batch_size={batch}",
+        f"model.latent_dim={latent}",
+        "model.data_dim=64",
+        "model.n_plot_samples=0",
+        "~model.generator",
+        "~model.discriminator",
+        f"+model.generator={{_target_: {__name__}.ConvGenerator}}",
+        f"+model.discriminator={{_target_: {__name__}.ConvDiscriminator}}",
+    )
+
+
 RECIPE = (
-    "recipe=gan",
+    *conv_digits(BATCH),
     *BARE,
-    "data=digits",
-    f"data.batch_size={BATCH}",
-    f"model.latent_dim={LATENT}",
-    "model.data_dim=64",
-    "model.n_plot_samples=0",
-    "~model.generator",
-    "~model.discriminator",
-    f"+model.generator={{_target_: {__name__}.ConvGenerator}}",
-    f"+model.discriminator={{_target_: {__name__}.ConvDiscriminator}}",
     "model.loss=nonsaturating",
     "model.penalty=r1",
     f"model.penalty_weight={R1_GAMMA}",
