@@ -136,9 +136,7 @@ RECIPES = {
     # R3GAN's and stylegan2-ada's options on the shipped conv nets (stacked digits as 3 × 8 × 8 images): R1 + R2 (D
     # held whole for its step), path length every 2 G steps (G held whole for its Greg step), the schedules over
     # images (rate, γ, β2, the EMA half-life), the gradient clean-up, D and G on their own batches, Adam; and the
-    # DCGAN pair on dcgan/main.py's BCE (two backward calls), G without its BatchNorm: with it, FSDP2 ends 2.6e-3
-    # from DDP after 12 steps (cause not found: not DDP's buffer broadcast (off: the same gap), not Adam (SGD:
-    # 2.7e-3)).
+    # DCGAN pair on dcgan/main.py's BCE (two backward calls) with G's BatchNorm.
     "gan-stylegan2": (
         *STACKED_IMAGES,
         "generator=stylegan2",
@@ -176,7 +174,6 @@ RECIPES = {
         "model.discriminator.resolution=8",
         "model.discriminator.width=8",
         "model.discriminator.sigmoid=true",
-        "model.generator.batch_norm=false",
         "model.loss=bce",
         "model.penalty=none",
         "model.n_critic=1",
@@ -201,10 +198,12 @@ def _train(out: Path, *overrides: str) -> Path:
     return pooled_train(out, *QUIET_RUN, *overrides)
 
 
-def _worst(a: Path, b: Path) -> float:
+def _worst(a: Path, b: Path, skip: str | None = None) -> float:
+    """The largest difference of two runs' weights and buffers (``skip``: names containing it left out)."""
     wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
     assert wa.keys() == wb.keys()
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if isinstance(wa[k], torch.Tensor))
+    names = [k for k in wa if isinstance(wa[k], torch.Tensor) and not (skip and skip in k)]
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in names)
 
 
 # Not compared again: multihead and weighted with fixed weights (their steps run in multihead-mgda, multihead-
@@ -223,9 +222,14 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
     last = sharded / "checkpoints/last.ckpt"
     assert is_sharded_checkpoint(last)  # every rank wrote its own shard, no gather to rank 0
     assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    worst = _worst(sharded, replicated)
+    # BatchNorm's running statistics are each rank's own (its own batches) under both engines; DDP's checkpoint holds
+    # rank 0's, the sharded one (likely) the copy DCP picks a writer for: 2.7e-3 apart after 12 steps, every weight
+    # equal to the bit.
+    worst = _worst(sharded, replicated, skip="running_" if case == "gan-dcgan" else None)
     print(f"{case}: FSDP2 vs DDP, largest weight difference {worst:.2g}")  # for the record (pytest -s)
     assert worst <= 1e-5
+    if case in ("gan-dcgan", "gan-stylegan2"):
+        assert worst == 0.0  # every weight to the bit (the DCGAN's BatchNorm statistics aside: above)
     if case == "gan-modern":
         # The same bits as DDP's (2 ranks: one sum a gradient, in either collective): G, D, G_ema and its image count;
         # ADA's p and its sign sums.
