@@ -52,6 +52,7 @@ import torch
 
 from multiloss.base.module import Recipe
 from multiloss.base.precision import grad_scaler
+from multiloss.base.step import step_schedules
 from multiloss.batches import require_keys
 from multiloss.callbacks import GeneratedSamplesPlot
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
@@ -72,7 +73,7 @@ from multiloss.gan.objectives import (
 from multiloss.gan.objectives import generator_loss as generator_loss_of
 from multiloss.gan.options import build_path_length, check_options, penalty_of
 from multiloss.gan.phases import DMicroBatch, generator_steps_after
-from multiloss.gan.schedules import betas_at, build_schedules, check_schedules
+from multiloss.gan.schedules import beta2_schedule, build_schedules, check_schedules
 from multiloss.parallel.ddp import synced
 from multiloss.saving.saved_state import D_STEPS_KEY, G_STEPS_KEY, IMAGES_KEY, NOISE_KEY, SCHEDULED_AT_KEY
 
@@ -179,7 +180,6 @@ class GAN(Recipe):
         self.latent_dim, self.n_plot_samples, self.noise_seed = latent_dim, n_plot_samples, noise_seed
         self.g_input, self.g_step_after, self.g_reals = g_input, g_step_after, g_reals
         self._d_micro: list[DMicroBatch] = []  # the D step's micro-batches so far (same_z, relativistic, lazy)
-        self._kept: Any = None  # same_fakes: the batch's fakes with G's graph, from D's step to G's
         self.d_steps = 0  # D's (counted) steps so far, checkpointed: the lazy penalty's phase
         self.g_steps = 0  # G's steps so far, checkpointed: the lazy path length's phase
         self.images_seen = 0  # real images D has trained on (all ranks), checkpointed
@@ -220,7 +220,7 @@ class GAN(Recipe):
     def scheduled_settings(self, index: int) -> tuple[str, ...]:
         """The optimizer settings ``apply_schedules`` sets every batch (optimizer ``index``: 0 G's, 1 D's): a resume
         keeps the checkpoint's instead of reporting the config's as a change."""
-        return ("betas",) if betas_at(self.schedules, ("generator", "discriminator")[index], 0) is not None else ()
+        return ("betas",) if beta2_schedule(self.schedules, ("generator", "discriminator")[index]) else ()
 
     @property
     def images_seen_clock(self) -> Any:
@@ -249,11 +249,14 @@ class GAN(Recipe):
         for optimizer, every in ((opt_g, self.g_reg_every), (opt_d, self.penalty_every)):
             if every > 1:
                 correct_betas(optimizer, lazy_ratio(every))
-        for optimizer, network, key in ((opt_g, "g", "model.g_optimizer"), (opt_d, "d", "model.d_optimizer")):
-            scheduled = next((n for n in ("beta2", f"{network}_beta2") if n in self.schedules), None)
+        for optimizer, network, key in (
+            (opt_g, "generator", "model.g_optimizer"),
+            (opt_d, "discriminator", "model.d_optimizer"),
+        ):
+            scheduled = beta2_schedule(self.schedules, network)
             require(
                 scheduled is None or all("betas" in group for group in optimizer.param_groups),
-                f"model.schedules.{scheduled}",
+                f"model.schedules.{scheduled[0] if scheduled else None}",
                 "set",
                 f"null, or an optimizer with betas (Adam, AdamW) as {key}",
                 f"{key} has no betas",
@@ -370,27 +373,31 @@ class GAN(Recipe):
         g_steps = self.generator_steps_after(batch_idx)
         if g_steps and self.g_step_after == "before":  # stylegan2-ada's order: Gmain, then Dmain (and Dreg)
             self.generator_step(opt_g, real)
-        d_stepped = self.discriminator_step(opt_d, batch_idx, real, g_steps) if d_turn else self.d_schedule_only(opt_d)
+        if d_turn:
+            d_stepped, kept = self.discriminator_step(opt_d, batch_idx, real, g_steps)
+        else:  # G's own batch: no D step, only D's epoch schedule at an epoch's end
+            d_stepped, kept = False, None
+            step_schedules(self.trainer, opt_d, stepped=False)
 
         # Generator step: k micro-batches through the D that D's step has just updated in place (G's loss is built
         # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
         # (A batch without G's step only advances G's epoch schedule: nothing to toggle.)
         if self.g_step_after != "before":
-            self.generator_step(opt_g, real, g_steps, self._kept)
+            self.generator_step(opt_g, real, g_steps, kept)
         if g_steps and self.generator_ema is not None:
             self.generator_ema.update(self.generator)  # after G's step and the batch's D step: the images D saw
         if d_stepped:
             self._d_micro = []  # the next D step's micro-batches start a new list
-        self._kept = None
 
-    def discriminator_step(self, opt_d: Any, batch_idx: int, real: torch.Tensor, g_steps: bool) -> bool:
+    def discriminator_step(
+        self, opt_d: Any, batch_idx: int, real: torch.Tensor, g_steps: bool
+    ) -> tuple[bool, torch.Tensor | None]:
         """D's micro-batch on this batch's reals and fresh fakes, D's step on every k-th batch (and an epoch's last),
-        then its lazy penalties' step and ADA's move; whether D stepped."""
+        then its lazy penalties' step and ADA's move; whether D stepped, and (same_fakes) the fakes with G's graph."""
         z, eps = self.noise(len(real))
         # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step (through G's own DDP wrapper,
         # whose backward is then G's step's).
         kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
-        self._kept = kept
 
         # Inside the block only D's weights require grad (toggle), DDP all-reduces only when D steps (under FSDP2 with
         # a penalty, D is held whole for the block, its gradients handed over at its end); the fakes are detached as
@@ -420,13 +427,7 @@ class GAN(Recipe):
             images = len(real) * self.trainer.world_size * self.accumulate_grad_batches
             if self.adaptive_augmentation and self.augment.adapt_after(self.d_steps, images):  # ADA's p moved
                 self.log("augment/p", self.augment.p.float(), rank_zero_only=True)
-        return d_step.stepping
-
-    def d_schedule_only(self, opt_d: Any) -> bool:
-        """G's own batch (``g_reals=own_batch``): no D step, only D's epoch schedule at an epoch's end."""
-        with self.step_of(opt_d, stepping=False, components=("discriminator",)):
-            pass
-        return False
+        return d_step.stepping, kept
 
     def generator_step(self, opt_g: Any, real: torch.Tensor, g_steps: bool = True, kept: Any = None) -> None:
         """G's step (or, ``g_steps`` false, only its epoch schedule): k micro-batches through D as it is now."""
@@ -479,7 +480,8 @@ class GAN(Recipe):
             gamma = curves["gamma"](images)
             self.penalties = dict.fromkeys(self.penalties, gamma)
         for optimizer, network in ((opt_g, "generator"), (opt_d, "discriminator")):
-            if (beta2 := betas_at(curves, network, images)) is not None:
+            if (scheduled := beta2_schedule(curves, network)) is not None:
+                beta2 = scheduled[1](images)
                 _, every = self.lazy_interval(network)
                 for group in getattr(optimizer, "optimizer", optimizer).param_groups:
                     group["betas"] = (group["betas"][0], beta2 ** lazy_ratio(every) if every > 1 else beta2)

@@ -44,7 +44,8 @@ def dense_blocks(in_features: int, width: int, depth: int, dropout: float, batch
     return [dense_block(a, b, dropout, batch_norm) for a, b in itertools.pairwise(sizes)]
 
 
-def _check_sizes(**sizes: int) -> None:
+def check_sizes(**sizes: int) -> None:
+    """`ConfigError` naming the first size that is not an integer ≥ 1."""
     for key, value in sizes.items():
         require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
 
@@ -70,7 +71,7 @@ class MLP(nn.Sequential):
         dropout: float = 0.0,
         batch_norm: bool = False,
     ) -> None:
-        _check_sizes(in_features=in_features, out_features=out_features, width=width)
+        check_sizes(in_features=in_features, out_features=out_features, width=width)
         _check_regularisation(dropout, depth)
         blocks = dense_blocks(in_features, width, depth, dropout, batch_norm)
         super().__init__(*blocks, nn.Linear(width if depth else in_features, out_features))
@@ -95,7 +96,7 @@ class DeepSupervisionMLP(nn.Module):
         batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        _check_sizes(in_features=in_features, num_classes=num_classes, width=width)
+        check_sizes(in_features=in_features, num_classes=num_classes, width=width)
         _check_regularisation(dropout, depth)
         require(depth >= 1, "depth", depth, "an integer ≥ 1 (the number of blocks, and of heads)")
         self.blocks = nn.ModuleList(dense_blocks(in_features, width, depth, dropout, batch_norm))
@@ -131,7 +132,7 @@ class MultiTaskMLP(nn.Module):
     ) -> None:
         super().__init__()
         require(len(heads) >= 1, "heads", heads, "a mapping task name -> number of outputs, e.g. {digit: 10}")
-        _check_sizes(in_features=in_features, width=width, **{f"heads.{k}": v for k, v in heads.items()})
+        check_sizes(in_features=in_features, width=width, **{f"heads.{k}": v for k, v in heads.items()})
         _check_regularisation(dropout, depth)
         self.trunk = nn.Sequential(*dense_blocks(in_features, width, depth, dropout, batch_norm))
         features = width if depth else in_features
@@ -161,7 +162,7 @@ class CharLSTM(nn.Module):
 
     def __init__(self, vocab_size: int, embedding_dim: int = 48, hidden_size: int = 192, num_layers: int = 1) -> None:
         super().__init__()
-        _check_sizes(vocab_size=vocab_size, embedding_dim=embedding_dim, hidden_size=hidden_size, num_layers=num_layers)
+        check_sizes(vocab_size=vocab_size, embedding_dim=embedding_dim, hidden_size=hidden_size, num_layers=num_layers)
         self.embed = nn.Embedding(vocab_size, embedding_dim)
         self.lstm = nn.LSTM(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True)
         self.head = nn.Linear(hidden_size, vocab_size)
@@ -239,7 +240,7 @@ class DenseMultiTaskNet(nn.Module):
     ) -> None:
         super().__init__()
         require(len(heads) >= 1, "heads", heads, "a mapping task name -> output channels, e.g. {segmentation: 13}")
-        _check_sizes(in_channels=in_channels, width=width, depth=depth, **{f"heads.{k}": v for k, v in heads.items()})
+        check_sizes(in_channels=in_channels, width=width, depth=depth, **{f"heads.{k}": v for k, v in heads.items()})
         require(encoder in ("segnet", "resnet"), "encoder", encoder, "segnet or resnet")
         self.encoder_kind, self.depth = encoder, depth
         widths = [width * 2**i for i in range(depth)]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multiloss.config import require
+from multiloss.nets import check_sizes
 
 OUTPUTS = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "none": lambda x: x}
 
@@ -59,11 +60,6 @@ def channels_at(size: int, width: int) -> int:
     """A layer's channels at ``size`` × ``size``: ``width`` up to 16 × 16, halved at each doubling after (StyleGAN's
     ``min(channel_base // res, channel_max)`` with channel_base = 16 · width): most of the compute is at the top."""
     return max(1, min(width, width * 16 // size))
-
-
-def _check(**sizes: int) -> None:
-    for key, value in sizes.items():
-        require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
 
 
 def _as_images(x: torch.Tensor, channels: int, resolution: int) -> torch.Tensor:
@@ -96,7 +92,7 @@ class DCGANGenerator(nn.Module):
         batch_norm: bool = True,
     ) -> None:
         super().__init__()
-        _check(latent_dim=latent_dim, channels=channels, width=width)
+        check_sizes(latent_dim=latent_dim, channels=channels, width=width)
         require(output in OUTPUTS, "output", output, ", ".join(OUTPUTS))
         stages = _stages(resolution)
         widths = [width * 2 ** (stages - 1 - i) for i in range(stages)]  # 64 × 64, width 64: 512, 256, 128, 64
@@ -121,7 +117,7 @@ class DCGANDiscriminator(nn.Module):
         self, channels: int = 3, resolution: int = 64, width: int = 64, batch_norm: bool = False, sigmoid: bool = False
     ) -> None:
         super().__init__()
-        _check(channels=channels, width=width)
+        check_sizes(channels=channels, width=width)
         stages = _stages(resolution)
         widths = [width * 2**i for i in range(stages)]
         layers: list[nn.Module] = []
@@ -305,7 +301,7 @@ class StyleGAN2Generator(nn.Module):
         output: Literal["tanh", "sigmoid", "none"] = "none",
     ) -> None:
         super().__init__()
-        _check(latent_dim=latent_dim, channels=channels, width=width, w_dim=w_dim, mapping_layers=mapping_layers)
+        check_sizes(latent_dim=latent_dim, channels=channels, width=width, w_dim=w_dim, mapping_layers=mapping_layers)
         require(output in OUTPUTS, "output", output, ", ".join(OUTPUTS))
         self.mapping = MappingNetwork(latent_dim, w_dim, mapping_layers)
         self.synthesis = SynthesisNetwork(w_dim, channels, resolution, width, noise_mode, noise_seed)
@@ -349,7 +345,7 @@ class ResNetDiscriminator(nn.Module):
 
     def __init__(self, channels: int = 3, resolution: int = 32, width: int = 64, mbstd_group_size: int = 0) -> None:
         super().__init__()
-        _check(channels=channels, width=width)
+        check_sizes(channels=channels, width=width)
         require(
             isinstance(mbstd_group_size, int) and mbstd_group_size >= 0,
             "mbstd_group_size",

@@ -63,7 +63,8 @@ def check_schedules(curves: dict[str, ImagesCurve], *, penalties: bool, ema: Any
     )
 
 
-def betas_at(curves: dict[str, ImagesCurve], network: str, images: int) -> float | None:
-    """Adam's β2 for ``network`` (generator, discriminator) at ``images``, or None when it is not scheduled."""
-    curve = curves.get("beta2") or curves.get(f"{network[0]}_beta2")
-    return None if curve is None else curve(images)
+def beta2_schedule(curves: dict[str, ImagesCurve], network: str) -> tuple[str, ImagesCurve] | None:
+    """``(name, curve)`` of Adam's β2 for ``network`` (generator, discriminator): ``beta2`` or its own
+    ``g_beta2`` / ``d_beta2``; None when it is not scheduled."""
+    name = next((n for n in ("beta2", f"{network[0]}_beta2") if n in curves), None)
+    return None if name is None else (name, curves[name])
