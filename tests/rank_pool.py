@@ -4,7 +4,9 @@ A distributed proof that compares weights (2 ranks × b against 1 × 2b, FSDP2 a
 straight run) needs real DDP and FSDP2 processes, not a fresh interpreter for each run: started as ``python
 train.py`` each such run paid two interpreters' imports (~5 s each here) for a few seconds of training. The pool
 starts its two ranks once per test worker, as torchrun starts ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``/``PORT``: Lightning's own environment, processes created outside it), and each run is
+``MASTER_ADDR``/``PORT``: Lightning's own environment, processes created outside it; rank 0 holds its port until its
+store listens on it and publishes the number, a run id of its own keeps its store its own, and a rank ends when the
+test worker that started it does), and each run is
 `multiloss.train` of the composed config in both, exactly what ``python train.py`` calls after composing it
 (`multiloss.testing.compose`, the same Hydra tree and run dir). Lightning starts the process group with the first
 run and every later run joins it, as a run under torchrun does. What only a command shows — its exit code, its
@@ -21,14 +23,16 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from multiloss.parallel import ports
+from multiloss.parallel.child_command import PARENT, follow_parent
 from multiloss.parallel.early_ranks import kill
+from multiloss.parallel.ports import RUN_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -41,9 +45,6 @@ class RankPool:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
         self.log = directory / "ranks.log"
         self.jobs = 0
         self.procs: list[subprocess.Popen] = []
@@ -52,12 +53,13 @@ class RankPool:
                 env = {
                     **os.environ,
                     "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
                     "WORLD_SIZE": str(WORLD_SIZE),
                     "NODE_RANK": "0",
                     "RANK": str(rank),
                     "LOCAL_RANK": str(rank),
                     "PYTHONWARNINGS": "ignore",
+                    RUN_ID: f"rank-pool-{os.getpid()}-{directory.name}",  # its store is its own
+                    PARENT: str(os.getpid()),  # a rank ends when this worker does
                 }
                 command = [sys.executable, "-m", "tests.rank_pool", str(directory)]
                 self.procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -128,10 +130,12 @@ def close() -> None:
 
 
 def serve(directory: Path) -> None:
+    follow_parent()  # the test worker that started this rank gone (killed, or a hung run cancelled): gone too
+    rank = int(os.environ["RANK"])
+    _share_port(directory, rank)
     from multiloss import train
     from multiloss.testing import compose
 
-    rank = int(os.environ["RANK"])
     job = 0
     while True:
         path = directory / f"job-{job}.json"
@@ -150,6 +154,23 @@ def serve(directory: Path) -> None:
         if not result["ok"]:
             os._exit(1)  # the other rank may wait in a collective: the pool ends, a new one serves the next job
         job += 1
+
+
+def _share_port(directory: Path, rank: int) -> None:
+    """Rank 0 holds a port until its store listens on it (never bind, close and hope) and tells rank 1 which."""
+    published = directory / "port"
+    if rank == 0:
+        port = ports.hold()
+        published.with_suffix(".partial").write_text(str(port))
+        published.with_suffix(".partial").rename(published)  # whole, or not there
+    else:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not published.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {rank}: rank 0 published no port in {JOB_TIMEOUT_S:g} s")
+            time.sleep(0.01)
+        port = int(published.read_text())
+    os.environ["MASTER_PORT"] = str(port)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 `start_cluster` installs the Debian packages when they are missing (as root, with apt-get), writes
 a ``slurm.conf`` for one node (this host, the CPUs and memory ``slurmd -C`` reports, a default
 partition, no cgroups, no accounting) into a directory of its own, with its own munge key and
-socket and free ports, so it never touches a cluster the machine may already run; starts the three
+socket and ports of its own (derived from this process's id, outside the kernel's ephemeral range:
+`DAEMON_PORTS`), so it never touches a cluster the machine may already run; starts the three
 daemons in the foreground, each in a session of its own, and waits for the node to be idle.
 `Cluster.stop` cancels its jobs and ends exactly the processes it started (by PID). Anything the
 machine cannot do raises `Unavailable` with the reason (the tests then skip with it).
@@ -36,6 +37,7 @@ class Cluster:
     root: Path
     env: dict[str, str]
     procs: list[subprocess.Popen] = field(default_factory=list)
+    submitted: list[str] = field(default_factory=list)
 
     def run(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -47,7 +49,21 @@ class Cluster:
         path = cwd / f"job-{time.monotonic_ns()}.sh"
         path.write_text(script)
         out = self.run("sbatch", "--parsable", f"--chdir={cwd}", str(path)).stdout.strip()
-        return out.split(";")[0]
+        job_id = out.split(";")[0]
+        self.submitted.append(job_id)
+        return job_id
+
+    def cancel_unfinished(self) -> list[str]:
+        """Cancel every job of this cluster still queued or running (a test that failed left it): the next test
+        must never queue behind it. The ids cancelled."""
+        left = self._job_ids()
+        if left:
+            self.run("scancel", "--quiet", "--signal=KILL", "--full", *left, check=False)
+            self.run("scancel", "--quiet", *left, check=False)
+            deadline = time.monotonic() + 60
+            while self._job_ids() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        return left
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields (a finished job stays known for MinJobAge, 300 s)."""
@@ -63,21 +79,15 @@ class Cluster:
             if state in states or (state in ends and state not in ("PREEMPTED",)):
                 return state
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout} s")
+        state = self.job(job_id).get("JobState")
+        self.run("scancel", "--quiet", job_id, check=False)  # never left to hold the node for the next test
+        raise TimeoutError(f"job {job_id} still {state} after {timeout} s (cancelled)")
 
     def stop(self) -> None:
         if jobs := self._job_ids():
             with contextlib.suppress(Exception):
                 self.run("scancel", "--quiet", *jobs, check=False)
-        for proc in reversed(self.procs):  # slurmd, slurmctld, munged: only the processes started here
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=5)
+        _stop_processes(list(reversed(self.procs)))  # slurmd, slurmctld, munged: only the processes started here
         self.procs.clear()
 
     def _job_ids(self) -> list[str]:
@@ -88,10 +98,32 @@ class Cluster:
         return out.split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The daemons' ports: a pair derived from this process's id, below the kernel's ephemeral range (where every port
+# bound to 0 and every outgoing connection draws from) and apart from the jobs' MASTER_PORTs (tests/test_slurm.py:
+# 20000-23999 and Lightning's 15000-19999),
+# so nothing the suite does can take them between the choice and the daemons' bind; a pair another program of the
+# machine holds fails the daemon's start, and the next pair is tried.
+DAEMON_PORTS = range(24000, 25000, 2)
+DAEMON_PORT_TRIES = 5
+
+
+def _daemon_ports(attempt: int) -> tuple[int, int]:
+    first = DAEMON_PORTS[(os.getpid() + attempt * 97) % len(DAEMON_PORTS)]
+    return first, first + 1
+
+
+def _stop_processes(procs: list[subprocess.Popen]) -> None:
+    """End each of ``procs`` (each leads a session of its own: with what it started), SIGKILL after 15 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
 
 
 def ensure_packages() -> None:
@@ -138,6 +170,46 @@ def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path, timeo
     raise Unavailable(f"{what} did not come up ({logs})")
 
 
+def _slurm_conf(root: Path, host: str, cpus: int, memory: int, sock: Path, ports: tuple[int, int]) -> str:
+    return "\n".join(
+        [
+            "ClusterName=multiloss-test",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={ports[0]}",
+            f"SlurmdPort={ports[1]}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            # cred_expire: also how long a requeued job waits before it starts again (default 120 s)
+            f"AuthInfo=socket={sock},cred_expire=10",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={root / 'state'}",
+            f"SlurmdSpoolDir={root / 'spool'}",
+            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={root / 'slurmd.pid'}",
+            f"SlurmctldLogFile={root / 'log/slurmctld.log'}",
+            f"SlurmdLogFile={root / 'log/slurmd.log'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            "KillWait=30",
+            "InactiveLimit=0",
+            "MinJobAge=600",
+            "SchedulerType=sched/backfill",
+            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
+
+
 def start_cluster(root: Path) -> Cluster:
     """Bring the cluster up under ``root``; `Unavailable` if this machine cannot."""
     ensure_packages()
@@ -150,45 +222,6 @@ def start_cluster(root: Path) -> Cluster:
     key.chmod(0o400)
     sock = root / "munge" / "munge.sock"
     conf = root / "slurm.conf"
-    conf.write_text(
-        "\n".join(
-            [
-                "ClusterName=multiloss-test",
-                f"SlurmctldHost={host}(127.0.0.1)",
-                f"SlurmctldPort={_free_port()}",
-                f"SlurmdPort={_free_port()}",
-                "AuthType=auth/munge",
-                "CredType=cred/munge",
-                # cred_expire: also how long a requeued job waits before it starts again (default 120 s)
-                f"AuthInfo=socket={sock},cred_expire=10",
-                "SlurmUser=root",
-                "SlurmdUser=root",
-                f"StateSaveLocation={root / 'state'}",
-                f"SlurmdSpoolDir={root / 'spool'}",
-                f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-                f"SlurmdPidFile={root / 'slurmd.pid'}",
-                f"SlurmctldLogFile={root / 'log/slurmctld.log'}",
-                f"SlurmdLogFile={root / 'log/slurmd.log'}",
-                "ProctrackType=proctrack/linuxproc",
-                "TaskPlugin=task/none",
-                "SelectType=select/cons_tres",
-                "SelectTypeParameters=CR_Core",
-                "JobCompType=jobcomp/none",
-                "AccountingStorageType=accounting_storage/none",
-                "JobAcctGatherType=jobacct_gather/none",
-                "MpiDefault=none",
-                "ReturnToService=2",
-                "JobRequeue=1",
-                "KillWait=30",
-                "InactiveLimit=0",
-                "MinJobAge=600",
-                "SchedulerType=sched/backfill",
-                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN",
-                "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
-                "",
-            ]
-        )
-    )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for name in [n for n in env if n.startswith(("SLURM_", "SBATCH_", "SRUN_")) and n != "SLURM_CONF"]:
         del env[name]  # a job of ours must not look like a step of the job running these tests
@@ -210,17 +243,31 @@ def start_cluster(root: Path) -> Cluster:
             env,
         )
     )
+
+    def idle() -> bool:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() == "idle"
+
     try:
         _wait_for(sock.exists, "munged", cluster.procs, root)
-        for daemon in ("slurmctld", "slurmd"):
-            binary = shutil.which(daemon) or f"/usr/sbin/{daemon}"
-            cluster.procs.append(_start([binary, "-D", "-f", str(conf)], root / f"log/{daemon}.out", env))
-
-        def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
-            return out.stdout.strip() == "idle"
-
-        _wait_for(idle, "the node (sinfo: idle)", cluster.procs, root)
+        for attempt in range(DAEMON_PORT_TRIES):
+            conf.write_text(_slurm_conf(root, host, cpus, memory, sock, _daemon_ports(attempt)))
+            daemons = []
+            for daemon in ("slurmctld", "slurmd"):
+                binary = shutil.which(daemon) or f"/usr/sbin/{daemon}"
+                daemons.append(_start([binary, "-D", "-f", str(conf)], root / f"log/{daemon}.out", env))
+            cluster.procs.extend(daemons)
+            try:
+                _wait_for(idle, "the node (sinfo: idle)", [*cluster.procs], root)
+                break
+            except Unavailable:
+                logs = " ".join(p.read_text(errors="replace") for p in root.glob("log/slurm*"))
+                if "Address already in use" not in logs or attempt + 1 == DAEMON_PORT_TRIES:
+                    raise
+                _stop_processes(daemons)  # another program holds that pair: the next one
+                cluster.procs = [p for p in cluster.procs if p not in daemons]
+                for log in root.glob("log/slurm*"):
+                    log.unlink()
     except BaseException:
         cluster.stop()
         raise

@@ -733,7 +733,8 @@ def test_nodes_that_never_start_are_named_within_seconds_and_the_wait_ends_in_on
     # After 5 s this node's second rank may still be starting on a busy machine: 1 or 2 of 4.
     assert re.match(r"multiloss: waiting for the other ranks: [12] of 4 \(trainer.num_nodes=2 × 2 processes\)", waiting)
     assert f"MASTER_PORT={port}" in waiting and "srun" in waiting and "torchrun --nnodes" in waiting
-    assert stopped.startswith("multiloss: run stopped: 2 of 4 ranks") and "in 12 s (rendezvous_timeout)" in stopped
+    # On a busy machine rank 1 may still be importing at 12 s: 1 or 2 of 4, either way named.
+    assert re.match(r"multiloss: run stopped: [12] of 4 ranks", stopped) and "in 12 s (rendezvous_timeout)" in stopped
     assert "Traceback" not in proc.stderr and "DistStoreError" not in proc.stderr
     assert took < 60, took  # rendezvous_timeout=12 plus start-up on a busy 2-core machine: not the 1800 s of before
     assert not out.exists()  # stopped before the run wrote anything

@@ -27,6 +27,12 @@ RUN = (*QUIET, "~callbacks.loss_curves")
 MULTIHEAD = ("recipe=multihead", "model.net.width=32", "model.net.dropout=0.2", "data.batch_size=64")
 
 
+# The jobs' MASTER_PORTs: derived from the job id and the attempt, below the kernel's ephemeral range and apart from
+# the cluster's own daemons (tests/slurm_cluster.py DAEMON_PORTS) and from Lightning's own SLURM ports (15000 + the job
+# id % 5000, which the sweeps' jobs use).
+JOB_PORTS = range(20000, 24000)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     try:
@@ -37,6 +43,16 @@ def cluster(tmp_path_factory):
     up.stop()
 
 
+@pytest.fixture(autouse=True)
+def _jobs_end_with_their_test(request):
+    """Whatever way a test ends, a job it left queued or running is cancelled: one failure never makes every later
+    test wait behind its job."""
+    yield
+    cluster = request.node.funcargs.get("cluster")  # set up (not skipped) for this test
+    if cluster is not None:
+        cluster.cancel_unfinished()
+
+
 def _script(*overrides: str, tasks: int = 2, out: Path) -> str:
     args = " ".join(f"'{o}'" for o in (*RUN, *overrides))
     return (
@@ -45,10 +61,11 @@ def _script(*overrides: str, tasks: int = 2, out: Path) -> str:
         f"#SBATCH --output={out}/slurm-%j.out --open-mode=append\n"
         "export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
         # Lightning's SLURM port is 15000 + the job id, the same for a requeued attempt, which this cluster
-        # restarts after 10 s (cred_expire; a real one waits 120 s): seen in use then (EADDRINUSE, and rank 1
-        # waiting for a rank 0 that had exited). Each attempt a port the kernel says is free.
-        f"export MASTER_PORT=$({sys.executable} -c "
-        "'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')\n"
+        # restarts after 10 s (cred_expire; a real one waits 120 s): seen in use then (EADDRINUSE). Each attempt a
+        # port of its own, derived from the job id and the attempt (`JOB_PORTS`): never a port bound to 0 and let go,
+        # which the rank pool of the other test worker may take in the meantime.
+        f"export MASTER_PORT=$(( {JOB_PORTS.start} + (SLURM_JOB_ID * 4 + ${{SLURM_RESTART_COUNT:-0}} % 4) "
+        f"% {len(JOB_PORTS)} ))\n"
         f"srun {sys.executable} {ROOT / 'train.py'} {args}\n"
     )
 

@@ -119,6 +119,9 @@ def _hydra_main(config_name: str, task: Callable[[DictConfig], object]) -> Calla
 
     def job(cfg: DictConfig) -> object:
         restore_full_error()  # composed: from here on Hydra reports as the user set it (the ranks inherit it)
+        from multiloss.parallel.child_command import follow_parent
+
+        follow_parent()  # a rank a multiloss process started ends with it
         return task(cfg)
 
     job.__name__ = job.__qualname__ = task.__name__  # Hydra names the job (and its log file) after the task's module
@@ -293,6 +296,9 @@ class JobFailed(Exception):
 
 
 def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
+    from multiloss.parallel.child_command import ending
+
+    ending()  # one message a rank: said here (or by another rank), never again on the way out
     if not quiet:
         _print_error(kind, message)
     if os.environ.get("SUBMITIT_EXECUTOR"):

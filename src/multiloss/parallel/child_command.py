@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
+
+PARENT = "MULTILOSS_PARENT_PID"  # set for a rank that a multiloss process started: the pid of that process
+_ending = threading.Event()  # this process has said why it stops (or chose to say nothing): `follow_parent` is quiet
 
 
 def job_command(local_rank: int) -> tuple[Sequence[str], str]:
@@ -40,3 +45,37 @@ def job_command(local_rank: int) -> tuple[Sequence[str], str]:
         "hydra.output_subdir=null",
     ]
     return command, get_original_cwd()
+
+
+def follow_parent() -> None:
+    """In a rank that a multiloss process started (`PARENT` set), end this process as soon as that one has ended.
+
+    Its rank zero hosts the run's store and waits for its ranks before it exits, so a parent gone first was killed:
+    nothing is left to train with or to save for, and a rank left behind would wait in a collective for the whole
+    collective timeout, or, between two jobs, for ever. A daemon thread looks every half second (a rank blocked in a
+    collective releases the GIL) and ends the process with one line, unless the process already said why it stops
+    (`ending`: the collective it waited in failed first).
+    """
+    parent = os.environ.get(PARENT, "")
+    if not parent.isdigit():
+        return
+    pid = int(parent)
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        if not _ending.is_set():
+            print(
+                f"multiloss: run stopped: the process that started this rank (pid {pid}, its rank 0) has ended; "
+                "this rank ends with it",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="multiloss-parent-watch", daemon=True).start()
+
+
+def ending() -> None:
+    """This process has said (or left to another rank to say) why it stops: `follow_parent` adds nothing."""
+    _ending.set()

@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError
 from multiloss.lean_callback import LeanCallback
-from multiloss.parallel import early_ranks
-from multiloss.parallel.child_command import job_command
-from multiloss.parallel.rendezvous import start_process_group
+from multiloss.parallel import early_ranks, ports
+from multiloss.parallel.child_command import PARENT, job_command
+from multiloss.parallel.rendezvous import RendezvousIncomplete, start_process_group
 from multiloss.parallel.stalls import is_stall, note_stall
 
 _WRAPPERS = "_multiloss_ddp_wrappers"
@@ -84,10 +84,20 @@ class HydraJobLauncher(internals.ScriptLauncher):
     def before_launch(self) -> None:
         self._env_before = early_ranks.saved_environment()
         self.failed = False
+        if self.num_nodes == 1:
+            # This run's alone: an identity nobody else has, and (unless the user gave one) a port held from now until
+            # rank 0's store listens on it, where Lightning's find_free_network_port binds, closes and hopes.
+            os.environ[ports.RUN_ID] = ports.new_run_id()
+            if "MASTER_PORT" not in os.environ and isinstance(self.cluster_environment, LightningEnvironment):
+                os.environ["MASTER_PORT"] = str(ports.hold())
+        os.environ[PARENT] = str(os.getpid())  # copied into the children's environment, then taken back (`finish`)
 
-    def note_failure(self) -> None:
-        """This process's run failed: `finish` waits a bounded time for the ranks it started."""
+    def note_failure(self, exception: BaseException | None = None) -> None:
+        """This process's run failed: `finish` waits a bounded time for the ranks it started, or none at all when
+        the ranks never met (a port someone else holds, a store of another run): nothing this process could still
+        give them, and its message says why for all of them."""
         self.failed = True
+        self.before_meeting = isinstance(exception, RendezvousIncomplete)
 
     def finish(self) -> None:
         """Undo what launching did to this process: the job's process group and environment.
@@ -97,17 +107,19 @@ class HydraJobLauncher(internals.ScriptLauncher):
         "processes created externally") and wait for ranks that never come, or reuse a group whose
         peers have exited.
         """
-        if not self.procs:
-            return
-        deadline = time.monotonic() + self.GRACE_AFTER_FAILURE_S if getattr(self, "failed", False) else None
-        for proc in self.procs:
-            try:
-                proc.wait(None if deadline is None else max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()  # waiting for this process in a collective that will never complete
-                proc.wait()
-        internals.destroy_process_group()
-        for key, value in self._env_before.items():
+        ports.release()  # a port held for a store that never listened (the launch failed before)
+        if self.procs:
+            if getattr(self, "before_meeting", False):
+                early_ranks.kill(self.procs)  # they joined nothing and hold nothing
+            deadline = time.monotonic() + self.GRACE_AFTER_FAILURE_S if getattr(self, "failed", False) else None
+            for proc in self.procs:
+                try:
+                    proc.wait(None if deadline is None else max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    proc.kill()  # waiting for this process in a collective that will never complete
+                    proc.wait()
+            internals.destroy_process_group()
+        for key, value in getattr(self, "_env_before", {}).items():
             if value is None:
                 os.environ.pop(key, None)
             else:
@@ -126,7 +138,7 @@ class HydraJobStrategy:
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # type: ignore[misc]
         if isinstance(self.launcher, HydraJobLauncher):
-            self.launcher.note_failure()
+            self.launcher.note_failure(exception)
 
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]

@@ -24,13 +24,15 @@ import hashlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from multiloss.parallel import ports
+from multiloss.parallel.child_command import PARENT
 
 # Lightning's DDP aliases that start their processes as scripts (`multiloss.parallel.ddp.multiloss_ddp` builds them as
 # multiloss's DDPStrategy); the strategies named by `_target_` that launch Hydra jobs.
@@ -51,7 +53,7 @@ _LAUNCHED_ELSEWHERE = (
 )
 SWITCH = "MULTILOSS_EARLY_RANKS"  # 0: Lightning starts the ranks inside fit, as it does by itself
 REPORTS = "MULTILOSS_PRE_GROUP_REPORTS"  # the directory the ranks claim their pre-group error messages in
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", ports.RUN_ID, PARENT)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class EarlyRanks:
     procs: list[subprocess.Popen] = field(default_factory=list)
     reports: Path | None = None
     adopted: bool = False
+    run_id: str = field(default_factory=ports.new_run_id)
 
     def child_env(self) -> dict[str, str]:
         return {
@@ -70,6 +73,8 @@ class EarlyRanks:
             "MASTER_PORT": str(self.port),
             "NODE_RANK": "0",
             "WORLD_SIZE": str(self.world_size),
+            ports.RUN_ID: self.run_id,
+            PARENT: str(os.getpid()),
         }
 
     def stop(self) -> None:
@@ -79,6 +84,7 @@ class EarlyRanks:
         self.clean()
 
     def clean(self) -> None:
+        ports.release(self.port)  # held for a store this process did not host (it failed before): let it go
         if self.reports is not None:
             shutil.rmtree(self.reports, ignore_errors=True)
             os.environ.pop(REPORTS, None)
@@ -146,7 +152,10 @@ def start(cfg: Any) -> EarlyRanks | None:
         return None
     from multiloss.parallel.child_command import job_command
 
-    ranks = EarlyRanks(world_size, _free_port())
+    # The user's MASTER_PORT as given (a port taken by another process is then named as such by rank 0); else a port
+    # held from now until rank 0's store listens on it (`multiloss.parallel.ports`).
+    given = os.environ.get("MASTER_PORT", "")
+    ranks = EarlyRanks(world_size, int(given) if given.isdigit() else ports.hold())
     ranks.reports = Path(tempfile.mkdtemp(prefix="multiloss-ranks-"))
     os.environ[REPORTS] = str(ranks.reports)  # this process claims its messages there too
     env = {**os.environ, **ranks.child_env()}
@@ -171,6 +180,7 @@ def adopt(num_processes: int, num_nodes: int, environment_is_lightnings: bool) -
         return None
     ranks.adopted = True
     os.environ.update({**ranks.child_env(), "LOCAL_RANK": "0"})
+    os.environ.pop(PARENT)  # the children's parent is this process; it follows none
     return ranks
 
 
@@ -225,13 +235,6 @@ def report_once(message: str) -> bool:
     except OSError:
         return True
     return True
-
-
-def _free_port() -> int:
-    """A free TCP port on this host (Lightning's ``find_free_network_port``: bind to 0, read, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 __all__ = ["EarlyRanks", "adopt", "discard", "finished", "kill", "processes_wanted", "report_once", "settle", "start"]

@@ -41,6 +41,9 @@ class CollectiveStalled(RuntimeError):
 
 
 def is_stall(err: BaseException) -> bool:
+    """Whether ``err`` is torch's word for a collective not every rank completed (one of ours already says it all)."""
+    if isinstance(err, CollectiveStalled):
+        return False
     return isinstance(err, RuntimeError) and any(mark in str(err) for mark in _MARKS)
 
 
