@@ -107,7 +107,12 @@ def test_installed_commands_train_and_evaluate_from_an_empty_directory(wheel: Pa
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert ckpt.is_file() and f"outputs in {run_dir}" in train.stdout
     assert (run_dir / "train.log").is_file()
-    evaluated = command("multiloss-eval", f"ckpt_path={ckpt}", "trainer.enable_progress_bar=false")
+    # The run's config dir named again: a checkpoint adds none by itself (multiloss.saving.trust); the printed
+    # command that trains on names it.
+    assert "train on: multiloss-train --config-dir" in " ".join(train.stdout.split())
+    evaluated = command(
+        "multiloss-eval", "--config-dir", "my_configs", f"ckpt_path={ckpt}", "trainer.enable_progress_bar=false"
+    )
     assert "val/modes" in evaluated.stdout and "val/loss/d" in evaluated.stdout
     (eval_dir,) = (empty / "outputs" / "eval" / "gan").iterdir()
     assert (eval_dir / "csv" / "version_0" / "metrics.csv").is_file() and (eval_dir / "eval.log").is_file()
@@ -150,21 +155,56 @@ def test_no_two_modules_import_each_other():
     assert not mutual, mutual
 
 
-def test_the_install_is_what_the_suite_passed_with():
-    """pyproject's ranges exclude the compromised Lightning releases, and this environment (what `make` installs) holds
-    every package at the version constraints.txt pins: the versions this suite passes with."""
-    import importlib.metadata
+# Known advisories on what pyproject admits: (package, advisory, affected releases, the first release without it).
+# A later widening of a range that lets one of these back in fails `test_no_admitted_release_carries_a_known_advisory`.
+ADVISORIES = (
+    ("lightning", "GHSA-w37p-236h-pfx3 (compromised on the index: a payload at import)", "==2.6.2", "2.6.6"),
+    ("lightning", "GHSA-w37p-236h-pfx3 (compromised on the index: a payload at import)", "==2.6.3", "2.6.6"),
+    ("pytorch-lightning", "GHSA-w37p-236h-pfx3 (compromised on the index)", "==2.6.2", "2.6.6"),
+    ("pytorch-lightning", "GHSA-w37p-236h-pfx3 (compromised on the index)", "==2.6.3", "2.6.6"),
+    ("lightning", "GHSA-qqmf-gpg7-g8gw / CVE-2026-58659 (a checkpoint's _instantiator called)", "<2.6.6", "2.6.6"),
+    ("pytorch-lightning", "GHSA-qqmf-gpg7-g8gw / CVE-2026-58659", "<2.6.6", "2.6.6"),
+    ("torch", "GHSA-63cw-57p8-fm3p (the weights_only unpickler)", "<2.10", "2.10.0"),
+    ("hydra-core", "no target policy before 1.3.8 (instantiate calls os.system & co.)", "<1.3.8", "1.3.8"),
+    ("pillow", "PYSEC-2026-2253..2257 (decoders' overflows)", "<12.3", "12.3.0"),
+)
 
+
+def _releases_matching(affected: str) -> list[str]:
+    """Every release number x.y.z (x one of the majors near the bound, y < 30, z < 15) that ``affected`` matches: a
+    grid dense enough that a range admitting any affected release admits one of these."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    bound = Version(affected.lstrip("<=>!~"))
+    grid = [
+        f"{x}.{y}.{z}" for x in range(max(bound.major - 1, 0), bound.major + 2) for y in range(30) for z in range(15)
+    ]
+    return [v for v in grid if SpecifierSet(affected).contains(v)]
+
+
+@pytest.mark.parametrize(("name", "advisory", "affected", "fixed"), ADVISORIES, ids=lambda v: str(v)[:40])
+def test_no_admitted_release_carries_a_known_advisory(name, advisory, affected, fixed):
+    """pyproject's ranges (what `pip install .` may choose) admit no release an advisory names, and admit its fix."""
     import tomllib
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    compromised = ("2.6.2", "2.6.3")  # GHSA-w37p-236h-pfx3: a payload run at `import lightning`
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = {canonicalize_name(r.name): r for r in map(Requirement, project["dependencies"])}
-    for name in ("lightning", "pytorch-lightning"):
-        assert not any(requirements[name].specifier.contains(v) for v in compromised), requirements[name]
-        assert requirements[name].specifier.contains("2.6.6"), requirements[name]
+    admitted = requirements[canonicalize_name(name)].specifier
+    bad = [v for v in _releases_matching(affected) if admitted.contains(v)]
+    assert not bad, f"{name}{admitted} admits {bad[:5]}, affected by {advisory}"
+    assert admitted.contains(fixed), f"{name}{admitted} refuses {fixed}, the release that fixes {advisory}"
+
+
+def test_the_install_is_what_the_suite_passed_with():
+    """This environment (what `make` installs) holds every package at the version constraints.txt pins: the versions
+    this suite passes with, none of them one an advisory names."""
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
 
     pins = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
@@ -172,8 +212,9 @@ def test_the_install_is_what_the_suite_passed_with():
             name, _, version = line.partition("==")
             pins[canonicalize_name(name)] = version.strip()
     assert "torch" not in pins and "multiloss" not in pins  # torch's build is the user's TORCH_SPEC
-    for name in ("lightning", "pytorch-lightning"):
-        assert pins[name] not in compromised, (name, pins[name])
+    for name, advisory, affected, _ in ADVISORIES:
+        pinned = pins.get(canonicalize_name(name))
+        assert pinned is None or not SpecifierSet(affected).contains(pinned), (name, pinned, advisory)
     assert {"lightning", "hydra-core", "torchmetrics", "pip"} <= pins.keys()
     if not (Path(sys.prefix) / ".multiloss-installed").exists():
         pytest.skip(f"{sys.prefix} is not the environment `make` builds with constraints.txt")

@@ -199,3 +199,26 @@ def test_a_requeued_job_continues_from_the_step_it_saved_exactly(cluster, uninte
     a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(uninterrupted(trainer))
     worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
     assert worst == 0.0, f"the requeued run's weights differ by {worst:.3g}"
+
+
+def test_a_job_that_continues_its_run_dir_from_a_rewritten_checkpoint_runs_nothing_it_names(cluster, tmp_path):
+    """A requeued job's command (``ckpt_path=last`` into its run dir) meeting a ``last.ckpt`` someone rewrote to name
+    ``builtins.open`` (which Hydra's own blocklist lets through): every task refuses it in one line, the job fails,
+    nothing is written (multiloss.saving.trust)."""
+    run, marker = tmp_path / "run", tmp_path / "PWNED"
+    straight = run_cli(*RUN, *MULTIHEAD, "trainer=cpu", "trainer.max_steps=2", f"hydra.run.dir={run}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    checkpoint["multiloss_overrides"] += [
+        "~model.net",
+        f"+model.net={{_target_: builtins.open, file: '{marker}', mode: w}}",
+    ]
+    torch.save(checkpoint, ckpt)
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    job = cluster.sbatch(_script("trainer=ddp_cpu", f"hydra.run.dir={run}", "ckpt_path=last", out=tmp_path), tmp_path)
+    assert cluster.wait(job) == "FAILED"
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    said = [line for line in log.splitlines() if line.startswith("multiloss: config error: model.net._target_=")]
+    assert len(said) == 2 and "Traceback" not in log, log[-3000:]  # one line from each task
+    assert not marker.exists() and sorted((str(p), p.stat().st_mtime_ns) for p in run.rglob("*")) == before

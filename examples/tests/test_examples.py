@@ -2,7 +2,8 @@
 
 Each example trains through ``python train.py --config-dir examples/configs ...`` (a subprocess, as
 from a shell), writes a checkpoint that loads with ``weights_only=True`` and rebuilds with
-``<Recipe>.load_from_checkpoint(path)``, and has its gradients proven with `multiloss.testing`
+``<Recipe>.load_from_checkpoint(path, trust_checkpoint=["mypkg"])`` (a checkpoint is data: its package allowed by
+name), and has its gradients proven with `multiloss.testing`
 against a plain-PyTorch reference on the user's own network.
 """
 
@@ -27,6 +28,7 @@ from mypkg.data import write_all
 from mypkg.word_corpus import write_corpus
 
 from multiloss import testing, train
+from multiloss.config import ConfigError
 from multiloss.data import TextDataModule
 
 EXAMPLES = Path(__file__).resolve().parents[1]
@@ -105,7 +107,10 @@ def test_example_trains_from_the_command_line_and_its_checkpoint_loads(name, dat
     ckpt_path = out / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # configs, not modules, inside
     recipe = RECIPES[RUNS[name][0][0].removeprefix("recipe=")]
-    loaded = recipe.load_from_checkpoint(ckpt_path, map_location="cpu")  # no extra argument
+    # A checkpoint is data: your package's components load once you allow it (multiloss.saving.trust).
+    with pytest.raises(ConfigError, match=r"hyper_parameters\..*_target_=mypkg\."):
+        recipe.load_from_checkpoint(ckpt_path, map_location="cpu")
+    loaded = recipe.load_from_checkpoint(ckpt_path, map_location="cpu", trust_checkpoint=["mypkg"])
     for key, value in ckpt["state_dict"].items():
         assert torch.equal(loaded.state_dict()[key], value), key
     assert type(getattr(loaded, "net", getattr(loaded, "generator", None))).__module__.startswith("mypkg.")
@@ -223,6 +228,34 @@ def test_resume_with_user_components_is_exact(data, tmp_path):
     train(testing.compose(*common, "trainer.max_steps=4", config_dir=CONFIGS, output_dir=first))
     ckpt = first / "checkpoints" / "last.ckpt"
     train(testing.compose(*common, "trainer.max_steps=8", f"ckpt_path={ckpt}", config_dir=CONFIGS, output_dir=resumed))
+    a = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_command_line_resumes_and_evaluates_a_user_components_checkpoint_once_its_config_dir_is_named(
+    data, tmp_path
+):
+    """From the command line, the run's overrides coming from its checkpoint: the user's config dir named again (a
+    checkpoint adds none by itself), 4 + 4 steps == 8 straight; unnamed, one message says which dir to name."""
+    common = (*_choices("gru_tbptt", data), "trainer.max_epochs=1", "trainer.limit_val_batches=0", "logger=none")
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    for out, steps in ((straight, 8), (first, 4)):
+        proc = _train_cli(out, *common, f"trainer.max_steps={steps}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = first / "checkpoints" / "last.ckpt"
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"ckpt_path={ckpt}", f"hydra.run.dir={resumed}"],
+        env={**os.environ, "PYTHONPATH": str(EXAMPLES), "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert refused.returncode == 2 and f"--config-dir {CONFIGS}" in refused.stderr, refused.stderr[-3000:]
+    assert not resumed.exists()
+    proc = _train_cli(resumed, f"ckpt_path={ckpt}", "trainer.max_steps=8")  # --config-dir examples/configs
+    assert proc.returncode == 0, proc.stderr[-3000:]
     a = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     b = torch.load(resumed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -30,9 +30,7 @@ def train_main() -> None:
 def _continue_with_the_runs_overrides() -> None:
     """``ckpt_path=<a run's checkpoint>``: that run's overrides first (`multiloss.saving.run_dir.run_overrides`),
     said."""
-    from multiloss.saving.run_dir import run_overrides
-
-    sys.argv[1:], carried = run_overrides(sys.argv[1:])
+    sys.argv[1:], carried = _with_the_checkpoints_overrides(sys.argv[1:])
     if carried:
         print(f"multiloss: continuing with the checkpoint's run's overrides (yours win): {' '.join(carried)}")
 
@@ -54,10 +52,21 @@ def eval_main() -> None:
     ``.hydra/overrides.yaml``) come first, so ``recipe=``, ``net=``, ``data=`` need not be repeated;
     what the command line gives wins.
     """
+    sys.argv[1:], _ = _with_the_checkpoints_overrides(sys.argv[1:])
+    _run_hydra("eval", eval_task)
+
+
+def _with_the_checkpoints_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+    """`multiloss.saving.run_dir.run_overrides`, a checkpoint that names what this command does not allow (or cannot
+    be read) reported as a config error before Hydra composes or writes anything."""
+    from multiloss.config import ConfigError
     from multiloss.saving.run_dir import run_overrides
 
-    sys.argv[1:], _ = run_overrides(sys.argv[1:])
-    _run_hydra("eval", eval_task)
+    try:
+        return run_overrides(args)
+    except ConfigError as err:
+        _fail("config error", err.message, 2)
+        raise  # unreachable: _fail exits
 
 
 def consolidate_main(argv: list[str] | None = None) -> None:
@@ -122,6 +131,7 @@ def _hydra_main(config_name: str, task: Callable[[DictConfig], object]) -> Calla
         from multiloss.parallel.child_command import follow_parent
 
         follow_parent()  # a rank a multiloss process started ends with it
+        _refuse_a_shadowed_option(cfg)
         return task(cfg)
 
     job.__name__ = job.__qualname__ = task.__name__  # Hydra names the job (and its log file) after the task's module
@@ -145,6 +155,22 @@ def _register_slurm_launcher() -> None:
         return
     if launcher := getattr(multiloss_slurm, "SlurmLauncher", None):  # absent without the slurm extra
         Plugins.instance().class_name_to_class[f"{launcher.__module__}.{launcher.__name__}"] = launcher
+
+
+def _refuse_a_shadowed_option(cfg: DictConfig) -> None:
+    """An option of the user's config dir that a shipped one of the same name would silently replace: one message
+    (`multiloss.config.composition.check_no_shadowed_option`), exit 2, nothing left behind."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from multiloss.config import ConfigError
+    from multiloss.config.composition import check_no_shadowed_option
+
+    try:
+        check_no_shadowed_option(HydraConfig.get())
+    except ConfigError as err:
+        if not os.environ.get("SUBMITIT_EXECUTOR"):
+            _remove_if_empty(cfg)
+        _fail("config error", err.message, 2)
 
 
 def train_task(cfg: DictConfig) -> dict[str, float] | float:
@@ -296,10 +322,10 @@ class JobFailed(Exception):
 
 
 def _fail(kind: str, message: str, exit_code: int, quiet: bool = False) -> None:
-    from multiloss.parallel.child_command import ending
+    from multiloss.parallel.child_command import claim_the_last_word
 
-    ending()  # one message a rank: said here (or by another rank), never again on the way out
-    if not quiet:
+    # One message a rank: said here (or by another rank), or already by the watch of a parent that has ended.
+    if claim_the_last_word() and not quiet:
         _print_error(kind, message)
     if os.environ.get("SUBMITIT_EXECUTOR"):
         raise JobFailed(f"multiloss: {kind}: {message}") from None

@@ -158,11 +158,21 @@ class Recipe(RecipeOptimizers, RecipeLogging):
             self.trainer.accumulate_grad_batches = 1  # a Trainer fitted again passes check_trainer again
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Lightning's, and a sharded run's checkpoint directory too (read whole first)."""
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: Any, *args: Any, trust_checkpoint: bool | list[str] = False, **kwargs: Any
+    ) -> Any:
+        """Lightning's, and a sharded run's checkpoint directory too (read whole first).
+
+        The checkpoint is data: every ``_target_`` its hyper-parameters name must be one the shipped configs use,
+        or one ``trust_checkpoint`` allows (a list of your packages, ``["mypkg"]``; ``True``: all, for a checkpoint
+        you would run as code); Lightning's own ``_instantiator`` / ``_class_path`` are refused whatever is trusted
+        (`multiloss.saving.trust`). A `ConfigError` names the key and the target, before anything is imported.
+        """
         from multiloss.saving.checkpoints import whole_checkpoint_file
+        from multiloss.saving.trust import check_hyper_parameters
 
         with whole_checkpoint_file(checkpoint_path) as path:
+            check_hyper_parameters(path, trust_checkpoint, f"the checkpoint {checkpoint_path}")
             return super().load_from_checkpoint(path, *args, **kwargs)
 
     @property

@@ -158,16 +158,29 @@ def _judged_as_added(override: str, argv: list[str], config_name: str) -> Config
 
 def overrides(argv: list[str]) -> list[str]:
     """The overrides of a command line (its Hydra flags and their values left out)."""
-    found, skip = [], False
+    return _split(argv)[1]
+
+
+def flags(argv: list[str]) -> list[str]:
+    """The Hydra flags of a command line, each with its value (``--config-dir my_configs``), in their order."""
+    return _split(argv)[0]
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    found_flags: list[str] = []
+    found: list[str] = []
+    skip = False
     for arg in argv:
         if skip:
             skip = False
+            found_flags.append(arg)
             continue
         if arg.startswith("-"):
             skip = arg in _FLAGS_WITH_VALUE
+            found_flags.append(arg)
             continue
         found.append(arg)
-    return found
+    return found_flags, found
 
 
 def _flag_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
@@ -186,3 +199,37 @@ def config_dirs(argv: list[str]) -> list[str]:
 def config_name_in(argv: list[str], default: str) -> str:
     names = _flag_values(argv, ("--config-name", "-cn"))
     return names[-1] if names else default
+
+
+def check_no_shadowed_option(hydra_config: Any) -> None:
+    """Refuse a composed run that picks an option of which a config dir of the user's holds one of the same group and
+    name as a shipped one: Hydra takes the shipped file (its primary config path comes first) and ignores the user's
+    without a word (say the project begins shipping ``discriminator/dcgan.yaml`` where the user had their own D).
+
+    ``hydra_config``: the composed run's ``HydraConfig`` (its config sources and the choices made).
+    """
+    import multiloss.configs
+
+    shipped = Path(next(iter(multiloss.configs.__path__)))
+    theirs = [
+        Path(source.path)
+        for source in hydra_config.runtime.config_sources
+        if source.schema == "file" and source.provider != "main"
+    ]
+    if not theirs:
+        return
+    for group, choice in hydra_config.runtime.choices.items():
+        if not isinstance(choice, str) or group.startswith("hydra/"):
+            continue
+        for name in (n.strip() for n in choice.strip("[]").split(",")):
+            option = Path(group) / f"{name}.yaml"
+            mine = [d / option for d in theirs if (d / option).is_file()]
+            if mine and (shipped / option).is_file():
+                raise ConfigError(
+                    group.replace("/", "."),
+                    name,
+                    f"one option of that name: to use yours, rename it (e.g. {mine[0].with_name(f'my_{name}.yaml')}, "
+                    f"then {group}=my_{name}); to use the shipped one, move yours out of {mine[0].parent.parent}",
+                    f"two options of that name: the shipped {shipped / option}, which Hydra would take, and yours, "
+                    f"{mine[0]}, which it would ignore without a word",
+                )

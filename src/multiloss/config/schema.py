@@ -28,6 +28,9 @@ class TrainSchema:
     nonfinite: str = "stop"
     collective_timeout: float = 1800.0
     rendezvous_timeout: float = 300.0
+    # What a checkpoint may name beyond the shipped configs' targets: false, true (all: a checkpoint you would run as
+    # code) or a list of packages (multiloss.saving.trust). Given on the command line only, never carried.
+    trust_checkpoint: Any = False
     # A sweeper's objective (hparams_search): the final metric a run returns, as a float.
     optimized_metric: str | None = None
     data: Any = MISSING

@@ -18,7 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
 
 PARENT = "MULTILOSS_PARENT_PID"  # set for a rank that a multiloss process started: the pid of that process
-_ending = threading.Event()  # this process has said why it stops (or chose to say nothing): `follow_parent` is quiet
+_voice = threading.Lock()  # one message a process: the run's own, or `follow_parent`'s, whichever comes first
+_spoken = False
 
 
 def job_command(local_rank: int) -> tuple[Sequence[str], str]:
@@ -54,7 +55,7 @@ def follow_parent() -> None:
     nothing is left to train with or to save for, and a rank left behind would wait in a collective for the whole
     collective timeout, or, between two jobs, for ever. A daemon thread looks every half second (a rank blocked in a
     collective releases the GIL) and ends the process with one line, unless the process already said why it stops
-    (`ending`: the collective it waited in failed first).
+    (`claim_the_last_word`: the collective it waited in failed first).
     """
     parent = os.environ.get(PARENT, "")
     if not parent.isdigit():
@@ -64,7 +65,7 @@ def follow_parent() -> None:
     def watch() -> None:
         while os.getppid() == pid:
             time.sleep(0.5)
-        if not _ending.is_set():
+        if claim_the_last_word():
             print(
                 f"multiloss: run stopped: the process that started this rank (pid {pid}, its rank 0) has ended; "
                 "this rank ends with it",
@@ -76,6 +77,10 @@ def follow_parent() -> None:
     threading.Thread(target=watch, name="multiloss-parent-watch", daemon=True).start()
 
 
-def ending() -> None:
-    """This process has said (or left to another rank to say) why it stops: `follow_parent` adds nothing."""
-    _ending.set()
+def claim_the_last_word() -> bool:
+    """Whether this process may still say why it stops (the first to ask: the run's own error report, or
+    `follow_parent` when its parent is gone); every later caller stays quiet, so a rank prints one message."""
+    global _spoken
+    with _voice:
+        first, _spoken = not _spoken, True
+    return first

@@ -46,7 +46,7 @@ DEFAULT_TIMEOUT_S = 300.0
 HANDSHAKE_S = 10.0
 # Rank zero names the store's run right after it listens: a store without a name after this long is no rendezvous.
 OWNER_GRACE_S = 10.0
-_T = TypeVar("_T")
+Result = TypeVar("Result")
 
 
 class RendezvousIncomplete(CollectiveStalled):
@@ -302,7 +302,7 @@ _ANOTHER_PORT = (
 )
 
 
-def _within(seconds: float, call: Callable[[], _T]) -> _T | None:
+def _within(seconds: float, call: Callable[[], Result]) -> Result | None:
     """``call()``'s result if it returns within ``seconds``, else None (the call goes on in a daemon thread, which
     the process's exit abandons: torch's store client releases the GIL while it waits). An error it raises is
     raised here."""

@@ -33,6 +33,7 @@ from torch import nn
 
 from multiloss.config import ConfigError, require
 from multiloss.saving.saved_state import is_sharded_checkpoint
+from multiloss.saving.trust import read_sharded_metadata
 
 
 class CheckpointWriteError(RuntimeError):
@@ -195,18 +196,13 @@ def check_sharded(path: str | Path, key: str = "ckpt_path") -> Any:
     """The shards' metadata of the sharded checkpoint ``path``, once it is whole: its ``.metadata`` readable, its
     ``meta.pt`` there, every shard file it lists there and as long as the metadata says (a save that did not
     finish, a copy cut short); otherwise a `ConfigError` under ``key``. Reads no tensor: every rank can ask."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     root = Path(path)
     accepted = "a whole sharded checkpoint (a directory of .distcp shards, their .metadata and meta.pt)"
     if not (root / ".metadata").is_file():
         raise ConfigError(
             key, str(path), accepted, "no .metadata in it: a sharded save that did not finish, or a damaged copy"
         )
-    try:
-        metadata = FileSystemReader(str(root)).read_metadata()
-    except Exception as err:
-        raise ConfigError(key, str(path), accepted, f"its .metadata cannot be read: {err}") from None
+    metadata = read_sharded_metadata(root, key)  # before torch's own reading of it, a bare pickle.load
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -255,6 +251,7 @@ def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = Path(path)
+    check_sharded(path)  # whole, and its .metadata names nothing but DCP's classes (torch unpickles it bare)
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(path, whole)

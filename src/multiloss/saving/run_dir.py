@@ -20,6 +20,7 @@ from typing import Any
 
 from multiloss.config.errors import ConfigError
 from multiloss.saving.saved_state import CONFIG_DIRS_KEY, OVERRIDES_KEY, checkpoint_exists, is_sharded_checkpoint
+from multiloss.saving.trust import check_carried, refuse_hydras_own_keys
 
 LOCK = ".multiloss.lock"
 # Set by SLURM in a requeued job and by torchrun in a restarted worker: the same run, again.
@@ -120,12 +121,43 @@ def resume_argument(checkpoint: Path | str) -> str:
 
 def resume_command(checkpoint: Path | str, *more: str) -> str:
     """The command that continues the run from ``checkpoint``: this program with ``ckpt_path=`` (and ``more``),
-    the run's other overrides coming from the checkpoint (`run_overrides`)."""
+    the run's other overrides coming from the checkpoint (`run_overrides`), its config dirs named (a checkpoint
+    adds none by itself: `multiloss.saving.trust`)."""
     import sys
 
     program = sys.argv[0] if sys.argv and sys.argv[0] else "train.py"
     command = f"python {shlex.quote(program)}" if program.endswith(".py") else Path(program).name
-    return " ".join([command, resume_argument(checkpoint), *more])
+    return " ".join([command, *_config_dir_arguments(), resume_argument(checkpoint), *_trust_arguments(), *more])
+
+
+def _trust_arguments() -> list[str]:
+    """What this run's own command line trusted, again: its ``trust_checkpoint``, or the packages of the targets it
+    wrote itself beyond the shipped configs' (a checkpoint names nothing else without being told: `trust`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from multiloss.saving.trust import TRUST_KEY, own_packages
+
+    if not HydraConfig.initialized():
+        return []
+    task = list(HydraConfig.get().overrides.task)
+    given = [o for o in task if o.split("=")[0].lstrip("+") == TRUST_KEY]
+    if given:
+        return [shlex.quote(given[-1])]
+    packages = own_packages(task)
+    return [shlex.quote(f"{TRUST_KEY}=[{','.join(packages)}]")] if packages else []
+
+
+def _config_dir_arguments() -> list[str]:
+    """The config dirs of this run (its ``--config-dir``, its searchpath's files) as command-line arguments."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    sources = HydraConfig.get().runtime.config_sources
+    dirs = [s.path for s in sources if s.schema == "file" and s.provider != "main"]
+    if len(dirs) == 1:
+        return ["--config-dir", shlex.quote(dirs[0])]
+    return [shlex.quote(f"hydra.searchpath=[{','.join(f'file://{d}' for d in dirs)}]")] if dirs else []
 
 
 def _alive(pid: int) -> bool:
@@ -240,7 +272,7 @@ def release_lock(path: Path | None) -> None:
 
 
 # Overrides of a run that never carry over to a command given its checkpoint: its own checkpoint, its dir.
-_NOT_CARRIED = ("ckpt_path", "overwrite", "hydra", "optimized_metric")
+_NOT_CARRIED = ("ckpt_path", "overwrite", "hydra", "optimized_metric", "trust_checkpoint")
 
 
 def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -253,8 +285,10 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from multiloss.config.composition import flags, overrides
+
     parser = OverridesParser.create()
-    given = [a for a in args if not a.startswith("-")]
+    given = overrides(list(args))  # a flag's value (--config-dir my_configs) is no override
     try:
         parsed = parser.parse_overrides(given)
     except Exception:  # Hydra reports a malformed override itself, with its own message
@@ -267,24 +301,36 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     if ckpt == "last" and isinstance(run_dir := values.get("hydra.run.dir"), str):
         ckpt = str(last_checkpoint_of(run_dir))
     stored = stored_entries(ckpt)  # one read of the checkpoint for both of its entries
-    runs = parser.parse_overrides(_overrides_of(Path(ckpt), stored.get(OVERRIDES_KEY)))
+    try:
+        runs = parser.parse_overrides(_overrides_of(Path(ckpt), stored.get(OVERRIDES_KEY)))
+    except Exception as err:  # Hydra's OverrideParseException: a damaged or hand-written checkpoint
+        raise ConfigError(
+            "ckpt_path",
+            str(ckpt),
+            "a checkpoint whose stored overrides are its run's own (as multiloss writes them)",
+            f"its run's stored overrides cannot be read: {' '.join(str(err).split())[:200]}",
+        ) from None
     # Another recipe (or experiment) than the run's: its overrides would not fit; the checkpoint's own check then
     # names the mismatch ("it belongs to another model").
     chosen = {o.key_or_group: o.value() for o in runs if o.key_or_group in ("recipe", "experiment")}
     if any(key in values and values[key] != value for key, value in chosen.items()):
         return list(args), []
+    refuse_hydras_own_keys(runs, str(ckpt))
     training = [
         o
         for o in runs
         if o.key_or_group.lstrip("+~") not in keys and o.key_or_group.split(".")[0].split("/")[0] not in _NOT_CARRIED
     ]
     carried = [o.input_line for o in training if o.input_line]
-    # The run's own option dirs, unless this command line names its own.
-    dirs = stored.get(CONFIG_DIRS_KEY)
-    searchpath = []
-    if dirs and not any(a.startswith(("--config-dir", "-cd", "hydra.searchpath")) for a in args):
-        searchpath = [f"hydra.searchpath=[{','.join(map(str, dirs))}]"]
-    return searchpath + carried + list(args), carried
+    # The run's own option dirs, unless this command line names its own; what the checkpoint names is data, checked
+    # before anything of it is used (multiloss.saving.trust): a dir this command names, targets the shipped configs
+    # or this command allow.
+    named_here = any(a.startswith(("--config-dir", "-cd", "hydra.searchpath")) for a in args)
+    stored_dirs = [] if named_here else [str(d) for d in stored.get(CONFIG_DIRS_KEY) or []]
+    dirs = check_carried(str(ckpt), training, stored_dirs, args)
+    searchpath = [f"hydra.searchpath=[{','.join(dirs)}]"] if dirs else []
+    # Hydra's flags first: argparse takes no flag after the overrides have begun.
+    return flags(list(args)) + searchpath + carried + given, carried
 
 
 def stored_entries(ckpt: Path | str) -> dict[str, Any]:
