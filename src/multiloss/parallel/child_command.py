@@ -18,8 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd
 
 PARENT = "MULTILOSS_PARENT_PID"  # set for a rank that a multiloss process started: the pid of that process
-_voice = threading.Lock()  # one message a process: the run's own, or `follow_parent`'s, whichever comes first
+_voice = threading.Lock()  # one message a rank: the run's own, or `follow_parent`'s, whichever comes first
 _spoken = False
+_watching = False  # `follow_parent` watches this process's parent: two voices could race
 
 
 def job_command(local_rank: int) -> tuple[Sequence[str], str]:
@@ -60,7 +61,8 @@ def follow_parent() -> None:
     parent = os.environ.get(PARENT, "")
     if not parent.isdigit():
         return
-    pid = int(parent)
+    global _watching
+    pid, _watching = int(parent), True
 
     def watch() -> None:
         while os.getppid() == pid:
@@ -78,9 +80,13 @@ def follow_parent() -> None:
 
 
 def claim_the_last_word() -> bool:
-    """Whether this process may still say why it stops (the first to ask: the run's own error report, or
-    `follow_parent` when its parent is gone); every later caller stays quiet, so a rank prints one message."""
+    """Whether this process may still say why it stops: in a rank `follow_parent` watches, the first to ask (the
+    run's own error report, or the watch when the parent is gone), every later caller staying quiet, so the rank
+    prints one message; anywhere else always (a process that runs several commands, a test calling them, speaks for
+    each)."""
     global _spoken
+    if not _watching:
+        return True
     with _voice:
         first, _spoken = not _spoken, True
     return first
