@@ -79,6 +79,29 @@ class ReduceScatterCounter(L.Callback):
         (Path(self.dirpath) / f"reducescatter_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
+class TrainedExamples(L.Callback):
+    """Appends the ``id`` of every example this rank trains on, batch by batch (``{"epoch", "ids"}`` a line), to
+    ``<dirpath>/trained_rank<r>.jsonl``: what the training step was handed, not what the loader's workers fetched."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        line = {"epoch": trainer.current_epoch, "ids": batch["id"].tolist()}
+        with (Path(self.dirpath) / f"trained_rank{trainer.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def trained_examples(dirpath: Path) -> dict[int, list[int]]:
+    """Every id `TrainedExamples` recorded in ``dirpath`` (all ranks, all runs that wrote there), by epoch."""
+    seen: dict[int, list[int]] = {}
+    for path in sorted(Path(dirpath).glob("trained_rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            seen.setdefault(record["epoch"], []).extend(record["ids"])
+    return seen
+
+
 def straight_and_resumed(
     make_cfg: Callable, tmp_path: Path, common: Iterable[str], stop: str, end: str
 ) -> tuple[Path, Path, Path]:

@@ -6,6 +6,8 @@ model uses dropout so the RNG streams matter, and the loader shuffles so the ord
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -95,15 +97,33 @@ def test_a_resume_with_another_optimizer_is_refused_before_anything_is_written(m
     assert torch.load(first / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
 
 
-def test_a_mid_epoch_resume_with_another_batch_size_is_refused_before_anything_is_written(make_cfg, tmp_path):
-    # 64 → 128 at batch 10 resumed at example 1280: 640 examples of that epoch never seen.
+def test_a_mid_epoch_resume_on_another_batch_size_continues_the_epoch_and_says_so(make_cfg, tmp_path, caplog):
+    # 64 → 128 at batch 10: the epoch continues at example 640 (tests/test_elastic_resume.py proves the examples).
     run = tmp_path / "run"
     train(make_cfg(*SMALL, "data.batch_size=64", "trainer.max_steps=10", output_dir=run))
+    with caplog.at_level(logging.INFO, logger="multiloss"):
+        train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_epochs=1", "ckpt_path=last", output_dir=run))
+    assert "data.batch_size: 128 per rank (the checkpoint's 64): its epoch continues at example 640 of 1438" in caplog.text
+    # 10 steps of 64, then the 798 examples left in 7 of 128 (the last one 30).
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 10 + 7
+
+
+def test_a_mid_epoch_resume_of_an_earlier_versions_checkpoint_on_another_batch_size_is_refused(make_cfg, tmp_path):
+    """Earlier versions kept torchdata's count of batches (of their size, on their ranks): continued on its own
+    shape, refused on another before anything is written."""
+    run = tmp_path / "run"
+    train(make_cfg(*SMALL, "data.batch_size=64", "trainer.max_steps=10", output_dir=run))
+    ckpt = run / "checkpoints/last.ckpt"
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_num_yielded": 10}]
+    torch.save(checkpoint, ckpt)
     record = (run / ".hydra/config.yaml").read_text()
-    with pytest.raises(ConfigError, match="saved mid-epoch, its place in the epoch counted in batches of 64") as err:
+    with pytest.raises(ConfigError, match="of an earlier version\\) counts its place in the epoch in batches of 64") as err:
         train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_steps=20", "ckpt_path=last", output_dir=run))
     assert (err.value.key, err.value.value) == ("data.batch_size", 128)
     assert (run / ".hydra/config.yaml").read_text() == record
+    train(make_cfg(*SMALL, "data.batch_size=64", "trainer.max_epochs=1", "ckpt_path=last", output_dir=run))
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 23  # 10 + the 13 left: the epoch, once
 
 
 def test_an_epoch_end_resume_may_change_the_batch_size(make_cfg, tmp_path):

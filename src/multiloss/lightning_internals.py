@@ -56,6 +56,17 @@ def resume_epoch_ends_exactly(trainer: L.Trainer) -> None:
         trainer.fit_loop.__class__ = _ResumableFitLoop  # same state, one property changed: no copy of the loop
 
 
+def continue_epoch_at(trainer: L.Trainer, batches: int) -> None:
+    """Count ``batches`` of the restored epoch as trained (``_TrainingEpochLoop.batch_progress.current``: its batch
+    index, its last batch, its validation checks), the offsets between its counters (a save in
+    ``on_train_batch_end`` has one batch processed and not completed) kept. Called while the fit loop loads its
+    loader's state, before the epoch loop resets from these counters."""
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = batches - current.processed
+    current.ready, current.started = current.ready + shift, current.started + shift
+    current.processed, current.completed = current.processed + shift, current.completed + shift
+
+
 def validation_follows(trainer: L.Trainer) -> bool:
     """Whether Lightning validates right after the training batch whose ``on_train_batch_end`` is running
     (``_TrainingEpochLoop._should_check_val_fx``, the test its ``on_advance_end`` runs after the batch's hooks)."""
@@ -356,6 +367,8 @@ READS = (
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._num_ready_batches_reached",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop()._skip_next_val",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop()._batches_that_stepped",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop().batch_progress",
+    "lightning.pytorch.loops.fit_loop:_FitLoop._load_combined_loader_states",
     "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.should_update_logs",
     "lightning.pytorch.trainer.trainer:Trainer()._logger_connector",
     "lightning.pytorch.loops.utilities:_block_parallel_sync_behavior",

@@ -47,7 +47,11 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
         checkpoint = verify_checkpoint(cfg.ckpt_path, model)
         refuse_a_bound_already_reached(checkpoint, trainer.max_steps, trainer.max_epochs)
         changes = verify_position(
-            checkpoint, checkpoint.get(BATCHES_KEY), getattr(datamodule, "batch_size", None), trainer.world_size
+            checkpoint,
+            checkpoint.get(BATCHES_KEY),
+            getattr(datamodule, "batch_size", None),
+            trainer.world_size,
+            streams=getattr(datamodule, "streams", None) is not None,
         )
         for change in changes if trainer.is_global_zero else ():  # one line a run, not one a rank
             log.info("resuming with %s", change)

@@ -3,10 +3,10 @@
 Why not a plain ``DataLoader``: Lightning's automatic ``DistributedSampler`` always shuffles the
 training set (``data.shuffle=false`` is silently ignored under DDP) and neither it nor a
 ``RandomSampler`` restores its order on resume. Here the training order is a pure function of
-(seed, epoch), sharded by rank, honouring ``shuffle``, and the loader (torchdata's
-``StatefulDataLoader``) plus sampler (``StatefulDistributedSampler``) carry their position through
-the checkpoint, so ``ckpt_path=`` continues mid-epoch on exactly the next batch. The trainer runs
-with ``use_distributed_sampler=False`` so Lightning keeps its hands off.
+(seed, epoch), the same on every number of ranks, honouring ``shuffle``, and the loader keeps the run's place in
+it in samples (`multiloss.data.order`), so ``ckpt_path=`` continues mid-epoch on exactly the next examples — on
+the ranks and batch size it was saved with or on others. The trainer runs with ``use_distributed_sampler=False``
+so Lightning keeps its hands off.
 """
 
 from __future__ import annotations
@@ -17,27 +17,11 @@ import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, StackDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require
+from multiloss.data.order import EpochOrder, PositionedLoader
 from multiloss.data.streams import TokenStreams
-
-
-class _EpochSampler(StatefulDistributedSampler):
-    """The rank-sharded, resumable sampler, shuffled for the trainer's ``current_epoch``.
-
-    Lightning calls ``set_epoch`` with its count of processed epochs, which its restart from a
-    checkpoint taken at an epoch's end counts one too high (the resumed run would repeat another
-    epoch's order); the epoch the trainer reports is the one being trained.
-    """
-
-    def __init__(self, *args, trainer_epoch=None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.trainer_epoch = trainer_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        current = self.trainer_epoch() if self.trainer_epoch is not None else None
-        super().set_epoch(epoch if current is None else current)
 
 
 class ArrayDataModule(L.LightningDataModule):
@@ -144,7 +128,7 @@ class ArrayDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> DataLoader:
         world_size, rank = self._ranks()
         if self.streams is not None:
             return self.streams.loader("train", world_size, rank)
@@ -155,26 +139,32 @@ class ArrayDataModule(L.LightningDataModule):
                 f"false, or data.batch_size ≤ the {len(self.train_set) // world_size} training examples a rank has",
                 f"with data.batch_size={self.batch_size} every batch would be dropped: an epoch of 0 steps",
             )
-        sampler = _EpochSampler(
-            self.train_set,
-            trainer_epoch=self._trainer_epoch,
-            num_replicas=world_size,
+        order = EpochOrder(
+            len(self.train_set),
+            world_size=world_size,
             rank=rank,
+            batch_size=self.batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
             drop_last=self.drop_last,
+            epoch=self._trainer_epoch,
         )
-        return StatefulDataLoader(
+        return PositionedLoader(
             self.train_set,
             batch_size=self.batch_size,
-            sampler=sampler,
+            sampler=order,
             num_workers=self.num_workers,
-            drop_last=self.drop_last,
             persistent_workers=self.num_workers > 0,
             # Its own generator, so creating an iterator never draws from the global RNG that the
             # model's noise and dropout use (that would break exact resume).
             generator=torch.Generator().manual_seed(self.seed),
+            on_resume=self._continue_epoch_at,
         )
+
+    def _continue_epoch_at(self, batches: int) -> None:
+        """A resume's loader starts ``batches`` (of this run's shape) into the epoch: the trainer counts them done."""
+        if self.trainer is not None:
+            internals.continue_epoch_at(self.trainer, batches)
 
     def val_dataloader(self) -> DataLoader:
         return self._evaluation_loader(self.val_set, "val")

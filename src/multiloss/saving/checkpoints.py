@@ -32,7 +32,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from multiloss.config import ConfigError, require
-from multiloss.saving.saved_state import is_sharded_checkpoint
+from multiloss.saving.saved_state import POSITION, is_sharded_checkpoint
 from multiloss.saving.trust import read_sharded_metadata
 
 
@@ -305,32 +305,59 @@ def mid_epoch(checkpoint: dict[str, Any]) -> bool:
     return progress.get("started", 0) > progress.get("processed", 0)
 
 
-def verify_position(checkpoint: dict[str, Any], batches: dict[str, Any], batch_size: Any, world_size: int) -> list[str]:
-    """Raise `ConfigError` if a mid-epoch ``checkpoint`` would resume with another batch size or number of ranks;
-    the changes a resume at an epoch's end makes (one line each, for the run to say).
+def saved_position(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The training loader's place in its epoch, in examples (`multiloss.data.order`), if the checkpoint keeps one
+    (checkpoints of earlier versions kept torchdata's count of batches instead)."""
+    loaders = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or [{}]
+    return loaders[0].get(POSITION) if isinstance(loaders[0], dict) else None
 
-    Its place in the epoch is a count of batches of its size on its ranks: another size or world would
-    start the rest of the epoch elsewhere (examples skipped or seen twice) and tbptt's carried state
-    would have the wrong number of streams. At an epoch's end either may change.
+
+def verify_position(
+    checkpoint: dict[str, Any], batches: dict[str, Any], batch_size: Any, world_size: int, streams: bool = False
+) -> list[str]:
+    """Raise `ConfigError` if a mid-epoch ``checkpoint`` cannot continue its epoch on another batch size or number of
+    ranks; the changes the resume makes (one line each, for the run to say).
+
+    A checkpoint that keeps its place in the epoch in examples continues on any shape: the rest of the epoch's
+    order, each example once, split as a fresh run on the new shape splits it. Refused mid-epoch: token streams
+    (``streams``: each rank carries its streams' hidden state from window to window, and another number of ranks
+    would cut the streams elsewhere) and a checkpoint of an earlier version (its place counted in batches of its
+    size on its ranks). At an epoch's end either may change.
     """
     if not batches:
         return []
     saved_size, saved_world = batches.get("batch_size"), batches.get("world_size")
+    position = saved_position(checkpoint) if mid_epoch(checkpoint) else None
     changes = []
     for key, now, then in (("data.batch_size", batch_size, saved_size), ("trainer.devices", world_size, saved_world)):
-        if then is not None and now is not None and now != then and not mid_epoch(checkpoint):
-            what = "per rank" if key == "data.batch_size" else "ranks (devices × nodes)"
+        if then is None or now is None or now == then:
+            continue
+        what = "per rank" if key == "data.batch_size" else "ranks (devices × nodes)"
+        if not mid_epoch(checkpoint):
             changes.append(f"{key}: {now} {what} (the checkpoint's {then}), from this epoch on")
-        elif then is not None and now is not None and now != then:
-            what = "per-rank batch size" if key == "data.batch_size" else "number of ranks (devices × nodes)"
-            raise ConfigError(
-                key,
-                now,
-                f"the checkpoint's {what}, {then}, until its epoch ends; or resume from a checkpoint taken at "
-                "an epoch's end (last.ckpt after max_epochs, or the epoch-end save) to change it",
-                f"the checkpoint was saved mid-epoch, its place in the epoch counted in batches of {saved_size} "
-                f"on {saved_world} rank(s)",
+            continue
+        if position is not None and not streams:
+            changes.append(
+                f"{key}: {now} {what} (the checkpoint's {then}): its epoch continues at example "
+                f"{position['consumed']} of {position['examples']}, the rest split as a fresh run on "
+                f"{world_size} rank(s) × {batch_size} splits it"
             )
+            continue
+        what = "per-rank batch size" if key == "data.batch_size" else "number of ranks (devices × nodes)"
+        why = (
+            "each rank carries its token streams' hidden state from window to window: another number of ranks "
+            "would cut the streams elsewhere"
+            if streams
+            else f"the checkpoint (of an earlier version) counts its place in the epoch in batches of {saved_size} "
+            f"on {saved_world} rank(s)"
+        )
+        raise ConfigError(
+            key,
+            now,
+            f"the checkpoint's {what}, {then}, until its epoch ends; or resume from a checkpoint taken at "
+            "an epoch's end (last.ckpt after max_epochs, or the epoch-end save) to change it",
+            f"the checkpoint was saved mid-epoch and {why}",
+        )
     return changes
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 OVERRIDES_KEY = "multiloss_overrides"  # its command-line overrides: multiloss-eval rebuilds the recipe from them
 CONFIG_DIRS_KEY = "multiloss_config_dirs"  # the config dirs it added (--config-dir)
 SPLIT_KEY = "multiloss_data_split"  # its data split (val_fraction, test_fraction, split_seed)
+POSITION = "position"  # the training loader's state: its epoch and the examples of its order consumed
 BATCHES_KEY = "multiloss_batches"  # the per-rank batch size and the ranks its position in the epoch is counted in
 HISTORY_KEY = "multiloss_metrics_csv"  # its metrics.csv, continued by a resumed run (multiloss.saving.history)
 # The step's state (multiloss.base.learning_rate, multiloss.base.multitask, the recipes).

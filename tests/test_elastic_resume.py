@@ -1,0 +1,139 @@
+"""Elastic resume: a run stopped mid-epoch on W ranks × b continues on W′ × b′, every remaining example exactly once.
+
+The examples a run trains on are recorded by id (`tests.helpers.TrainedExamples`: what each training step was
+handed), across a straight run and runs stopped mid-epoch then continued on another per-rank batch size or number of
+ranks; the union is each epoch's permutation exactly once. Where the global batch is kept (2 ranks × b → 1 × 2b and
+back) the resumed run's weights equal the straight run's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from multiloss import train
+from multiloss.data.order import EpochOrder
+from tests.conftest import QUIET, load_weights
+from tests.helpers import trained_examples
+from tests.rank_pool import pooled_train
+
+N = 200  # examples in the file; 160 train (val_fraction 0.2)
+TRAIN = 160
+
+
+@pytest.fixture(scope="module")
+def id_data(tmp_path_factory) -> Path:
+    """Digits-shaped examples that carry their own ``id`` (npz serves every array as a batch key)."""
+    path = tmp_path_factory.mktemp("ids") / "ids.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.random((N, 64)).astype(np.float32), y=np.arange(N) % 10, id=np.arange(N))
+    return path
+
+
+def _common(id_data: Path, record: Path) -> tuple[str, ...]:
+    record.mkdir(parents=True, exist_ok=True)
+    return (
+        "recipe=accumulation",
+        "model.accumulate_grad_batches=1",
+        "data=npz",
+        f"data.path={id_data}",
+        "model.net.width=16",
+        "trainer.limit_val_batches=1",
+        "~callbacks.loss_curves",
+        "+callbacks.ids._target_=tests.helpers.TrainedExamples",
+        f"+callbacks.ids.dirpath={record}",
+    )
+
+
+def _orders(epochs: int, seed: int = 0) -> dict[int, list[int]]:
+    """Each epoch's permutation of the training examples, as their ids (the training examples are the split's: the
+    file's rows in the order of data.split_seed=0, the first 40 held out for validation)."""
+    train_ids = torch.from_numpy(np.random.default_rng(0).permutation(N)[N - TRAIN :])
+    order = EpochOrder(TRAIN, world_size=1, rank=0, batch_size=1, shuffle=True, seed=seed, drop_last=False)
+    return {epoch: train_ids[order.permutation(epoch)].tolist() for epoch in range(epochs)}
+
+
+def _assert_each_example_once(seen: dict[int, list[int]], epochs: int) -> None:
+    assert sorted(seen) == list(range(epochs))
+    for epoch, ids in seen.items():
+        assert len(ids) == TRAIN and len(set(ids)) == TRAIN, (epoch, len(ids), len(set(ids)))
+
+
+def test_any_stop_continues_on_any_shape_each_example_once():
+    """The order's arithmetic alone, every stop of an epoch: the examples before the stop (the first ``consumed`` of
+    the permutation) and those every new rank draws after it are the permutation, each once."""
+    for n, (w, b), (w2, b2) in itertools.product(
+        (7, 37, 160), [(1, 4), (2, 2), (2, 3), (4, 2), (3, 5)], [(1, 4), (2, 2), (2, 3), (4, 2), (3, 5)]
+    ):
+        before = EpochOrder(n, world_size=w, rank=0, batch_size=b, shuffle=True, seed=1, drop_last=False)
+        for batches in range(before.batches()):
+            consumed = before.consumed(0, batches)
+            after = []
+            for rank in range(w2):
+                order = EpochOrder(n, world_size=w2, rank=rank, batch_size=b2, shuffle=True, seed=1, drop_last=False)
+                order.continue_at(consumed, None)
+                mine = list(order)
+                assert -(-len(mine) // b2) == order.batches(consumed)  # every rank takes the same steps
+                after += mine
+            ids = before.permutation(0)[:consumed].tolist() + after
+            left = n - consumed
+            if 0 < left % (w2 * b2) < w2:  # fewer left than ranks: the ranks without one repeat one (said so)
+                assert sorted(set(ids)) == list(range(n)) and len(ids) == n + w2 - left % (w2 * b2)
+            else:
+                assert sorted(ids) == list(range(n)), (n, w, b, w2, b2, batches)
+
+
+@pytest.mark.parametrize("batch_after", [12, 7])
+def test_a_run_stopped_mid_epoch_continues_on_another_batch_size_each_example_once(make_cfg, tmp_path, id_data,
+                                                                                    batch_after):
+    """8 a batch with 2 loader workers (which fetch ahead of the step), stopped at step 5 (40 of 160 examples), then
+    12 or 7 a batch (7 does not divide the 120 left): the two runs' examples are each epoch's permutation, once."""
+    record, run = tmp_path / "ids", tmp_path / "run"
+    common = (*_common(id_data, record), "trainer=cpu", "data.num_workers=2")
+    train(make_cfg(*common, "data.batch_size=8", "trainer.max_steps=5", output_dir=run))
+    assert trained_examples(record) == {0: _orders(1)[0][:40]}
+    train(make_cfg(*common, f"data.batch_size={batch_after}", "trainer.max_epochs=2", "trainer.max_steps=-1",
+                   "ckpt_path=last", output_dir=run))
+    seen = trained_examples(record)
+    assert seen == _orders(2)  # in the epoch's order: the first 40, then the rest; the next epoch whole
+    steps = 5 + -(-120 // batch_after) + -(-TRAIN // batch_after)
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == steps
+
+
+def _same_weights(a: Path, b: Path) -> float:
+    wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if isinstance(wa[k], torch.Tensor))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_straight_run(make_cfg, tmp_path, id_data):
+    """2 ranks × 8 stopped at step 3 (48 of 160 examples) and continued on 1 × 16; 1 × 16 stopped there and continued
+    on 2 × 8 (the pool's two real DDP ranks, 2 loader workers each): both equal the straight 1 × 16 run to 1e-6 in
+    every weight, and each trains every example of both epochs once."""
+    common = (*_common(id_data, tmp_path / "straight_ids"), "data.num_workers=2")
+    straight = tmp_path / "straight"
+    train(make_cfg(*common, "trainer=cpu", "data.batch_size=16", "trainer.max_epochs=2", output_dir=straight))
+    end = ("trainer.max_epochs=2", "trainer.max_steps=-1", "ckpt_path=last")
+    for name, first, then in (
+        ("two_to_one", ("trainer=ddp_cpu", "data.batch_size=8"), ("trainer=cpu", "data.batch_size=16")),
+        ("one_to_two", ("trainer=cpu", "data.batch_size=16"), ("trainer=ddp_cpu", "data.batch_size=8")),
+    ):
+        run, record = tmp_path / name, tmp_path / f"{name}_ids"
+        for shape, bound in ((first, ("trainer.max_steps=3",)), (then, end)):
+            overrides = (*_common(id_data, record), "data.num_workers=2", *shape, *bound)
+            if "trainer=ddp_cpu" in shape:
+                pooled_train(run, *QUIET, *overrides, cwd=tmp_path)
+            else:
+                train(make_cfg(*overrides, output_dir=run))
+        seen = trained_examples(record)
+        assert len(list(record.glob("trained_rank*.jsonl"))) == 2  # rank 1 trained too
+        assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {e: sorted(o) for e, o in _orders(2).items()}
+        worst = _same_weights(straight, run)
+        print(f"{name}: largest weight difference from the straight run {worst:.2g}")  # for the record (pytest -s)
+        assert worst <= 1e-6, f"{name}: weights differ from the straight run's by up to {worst:.3g}"
