@@ -88,16 +88,25 @@ def test_any_stop_continues_on_any_shape_each_example_once():
 
 
 @pytest.mark.parametrize("batch_after", [12, 7])
-def test_a_run_stopped_mid_epoch_continues_on_another_batch_size_each_example_once(make_cfg, tmp_path, id_data,
-                                                                                    batch_after):
+def test_a_run_stopped_mid_epoch_continues_on_another_batch_size_each_example_once(
+    make_cfg, tmp_path, id_data, batch_after
+):
     """8 a batch with 2 loader workers (which fetch ahead of the step), stopped at step 5 (40 of 160 examples), then
     12 or 7 a batch (7 does not divide the 120 left): the two runs' examples are each epoch's permutation, once."""
     record, run = tmp_path / "ids", tmp_path / "run"
     common = (*_common(id_data, record), "trainer=cpu", "data.num_workers=2")
     train(make_cfg(*common, "data.batch_size=8", "trainer.max_steps=5", output_dir=run))
     assert trained_examples(record) == {0: _orders(1)[0][:40]}
-    train(make_cfg(*common, f"data.batch_size={batch_after}", "trainer.max_epochs=2", "trainer.max_steps=-1",
-                   "ckpt_path=last", output_dir=run))
+    train(
+        make_cfg(
+            *common,
+            f"data.batch_size={batch_after}",
+            "trainer.max_epochs=2",
+            "trainer.max_steps=-1",
+            "ckpt_path=last",
+            output_dir=run,
+        )
+    )
     seen = trained_examples(record)
     assert seen == _orders(2)  # in the epoch's order: the first 40, then the rest; the next epoch whole
     steps = 5 + -(-120 // batch_after) + -(-TRAIN // batch_after)

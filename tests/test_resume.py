@@ -103,7 +103,8 @@ def test_a_mid_epoch_resume_on_another_batch_size_continues_the_epoch_and_says_s
     train(make_cfg(*SMALL, "data.batch_size=64", "trainer.max_steps=10", output_dir=run))
     with caplog.at_level(logging.INFO, logger="multiloss"):
         train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_epochs=1", "ckpt_path=last", output_dir=run))
-    assert "data.batch_size: 128 per rank (the checkpoint's 64): its epoch continues at example 640 of 1438" in caplog.text
+    said = "data.batch_size: 128 per rank (the checkpoint's 64): its epoch continues at example 640 of 1438"
+    assert said in caplog.text
     # 10 steps of 64, then the 798 examples left in 7 of 128 (the last one 30).
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 10 + 7
 
@@ -118,7 +119,8 @@ def test_a_mid_epoch_resume_of_an_earlier_versions_checkpoint_on_another_batch_s
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_num_yielded": 10}]
     torch.save(checkpoint, ckpt)
     record = (run / ".hydra/config.yaml").read_text()
-    with pytest.raises(ConfigError, match="of an earlier version\\) counts its place in the epoch in batches of 64") as err:
+    refused = "of an earlier version\\) counts its place in the epoch in batches of 64"
+    with pytest.raises(ConfigError, match=refused) as err:
         train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_steps=20", "ckpt_path=last", output_dir=run))
     assert (err.value.key, err.value.value) == ("data.batch_size", 128)
     assert (run / ".hydra/config.yaml").read_text() == record

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, StackDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from multiloss import lightning_internals as internals
 from multiloss.config import ConfigError, require

@@ -119,7 +119,9 @@ class EpochOrder(Sampler[int]):
         # (`multiloss.lightning_internals.continue_epoch_at` sets its count of those already trained).
         full = self.n // self.global_batch
         tail = self.n - full * self.global_batch
-        return full * self.batch_size + (0 if self.drop_last or not tail else max(1, len(range(self.rank, tail, self.world_size))))
+        if self.drop_last or not tail:
+            return full * self.batch_size
+        return full * self.batch_size + max(1, len(range(self.rank, tail, self.world_size)))  # a padded rank: 1
 
 
 class PositionedLoader(DataLoader):
