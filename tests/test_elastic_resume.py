@@ -119,24 +119,31 @@ def _same_weights(a: Path, b: Path) -> float:
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if isinstance(wa[k], torch.Tensor))
 
 
+ONE = {"ddp": ("trainer=cpu",), "fsdp2": ("trainer=fsdp_cpu", "trainer.devices=1")}
+TWO = {"ddp": ("trainer=ddp_cpu",), "fsdp2": ("trainer=fsdp_cpu",)}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_straight_run(make_cfg, tmp_path, id_data):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_straight_run(
+    make_cfg, tmp_path, id_data, kind
+):
     """2 ranks × 8 stopped at step 3 (48 of 160 examples) and continued on 1 × 16; 1 × 16 stopped there and continued
-    on 2 × 8 (the pool's two real DDP ranks, 2 loader workers each): both equal the straight 1 × 16 run to 1e-6 in
-    every weight, and each trains every example of both epochs once."""
+    on 2 × 8 (the pool's two real ranks, 2 loader workers each; under FSDP2 DCP reads the shards onto the new ranks):
+    both equal the straight 1 × 16 run to 1e-6 in every weight, and each trains every example of both epochs once."""
     common = (*_common(id_data, tmp_path / "straight_ids"), "data.num_workers=2")
     straight = tmp_path / "straight"
-    train(make_cfg(*common, "trainer=cpu", "data.batch_size=16", "trainer.max_epochs=2", output_dir=straight))
+    train(make_cfg(*common, *ONE["ddp"], "data.batch_size=16", "trainer.max_epochs=2", output_dir=straight))
     end = ("trainer.max_epochs=2", "trainer.max_steps=-1", "ckpt_path=last")
     for name, first, then in (
-        ("two_to_one", ("trainer=ddp_cpu", "data.batch_size=8"), ("trainer=cpu", "data.batch_size=16")),
-        ("one_to_two", ("trainer=cpu", "data.batch_size=16"), ("trainer=ddp_cpu", "data.batch_size=8")),
+        ("two_to_one", (*TWO[kind], "data.batch_size=8"), (*ONE[kind], "data.batch_size=16")),
+        ("one_to_two", (*ONE[kind], "data.batch_size=16"), (*TWO[kind], "data.batch_size=8")),
     ):
         run, record = tmp_path / name, tmp_path / f"{name}_ids"
         for shape, bound in ((first, ("trainer.max_steps=3",)), (then, end)):
             overrides = (*_common(id_data, record), "data.num_workers=2", *shape, *bound)
-            if "trainer=ddp_cpu" in shape:
+            if shape[0] == TWO[kind][0] and "trainer.devices=1" not in shape:
                 pooled_train(run, *QUIET, *overrides, cwd=tmp_path)
             else:
                 train(make_cfg(*overrides, output_dir=run))
@@ -144,5 +151,5 @@ def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_str
         assert len(list(record.glob("trained_rank*.jsonl"))) == 2  # rank 1 trained too
         assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {e: sorted(o) for e, o in _orders(2).items()}
         worst = _same_weights(straight, run)
-        print(f"{name}: largest weight difference from the straight run {worst:.2g}")  # for the record (pytest -s)
+        print(f"{kind} {name}: largest weight difference from the straight run {worst:.2g}")  # for the record (-s)
         assert worst <= 1e-6, f"{name}: weights differ from the straight run's by up to {worst:.3g}"
