@@ -30,18 +30,26 @@ def id_data(tmp_path_factory) -> Path:
     """Digits-shaped examples that carry their own ``id`` (npz serves every array as a batch key)."""
     path = tmp_path_factory.mktemp("ids") / "ids.npz"
     rng = np.random.default_rng(0)
-    np.savez(path, x=rng.random((N, 64)).astype(np.float32), y=np.arange(N) % 10, id=np.arange(N))
+    x, y = rng.random((N, 64)).astype(np.float32), np.arange(N) % 10
+    # weighted's digit tasks read parity and ink as the digits data serves them
+    np.savez(path, x=x, y=y, parity=(y % 2).astype(np.float32), ink=x.mean(1), id=np.arange(N))
     return path
 
 
-def _common(id_data: Path, record: Path) -> tuple[str, ...]:
+RECIPE = {
+    "accumulation": ("recipe=accumulation", "model.accumulate_grad_batches=1", "model.net.width=16"),
+    "multihead": ("recipe=multihead", "model.net.width=16"),
+    "weighted": ("recipe=weighted", "model.net.width=16", "balancer=uncertainty"),
+    "gan": ("recipe=gan", "model.data_dim=64", "model.generator.width=16", "model.discriminator.width=16"),
+}
+
+
+def _common(id_data: Path, record: Path, recipe: str = "accumulation") -> tuple[str, ...]:
     record.mkdir(parents=True, exist_ok=True)
     return (
-        "recipe=accumulation",
-        "model.accumulate_grad_batches=1",
+        *RECIPE[recipe],
         "data=npz",
         f"data.path={id_data}",
-        "model.net.width=16",
         "trainer.limit_val_batches=1",
         "~callbacks.loss_curves",
         "+callbacks.ids._target_=tests.helpers.TrainedExamples",
@@ -153,3 +161,31 @@ def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_str
         worst = _same_weights(straight, run)
         print(f"{kind} {name}: largest weight difference from the straight run {worst:.2g}")  # for the record (-s)
         assert worst <= 1e-6, f"{name}: weights differ from the straight run's by up to {worst:.3g}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan"])
+def test_every_recipe_continues_two_ranks_on_one_as_the_straight_run(make_cfg, tmp_path, id_data, recipe):
+    """Each recipe's state follows the new shape (the GAN's noise drawn for the global batch and split by stride as
+    the examples are, its critic and generator steps; a balancer's state): 2 ranks × 8 stopped at step 3, continued
+    on 1 × 16, equals the straight 1 × 16 run; each example once."""
+    straight, run, record = tmp_path / "straight", tmp_path / "run", tmp_path / "ids"
+    epochs = ("trainer.max_epochs=2", "trainer.max_steps=-1")
+    train(
+        make_cfg(
+            *_common(id_data, tmp_path / "straight_ids", recipe),
+            "trainer=cpu",
+            "data.batch_size=16",
+            *epochs,
+            output_dir=straight,
+        )
+    )
+    mine = _common(id_data, record, recipe)
+    pooled_train(run, *QUIET, *mine, "trainer=ddp_cpu", "data.batch_size=8", "trainer.max_steps=3", cwd=tmp_path)
+    train(make_cfg(*mine, "trainer=cpu", "data.batch_size=16", *epochs, "ckpt_path=last", output_dir=run))
+    seen = trained_examples(record)
+    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {e: sorted(o) for e, o in _orders(2).items()}
+    worst = _same_weights(straight, run)
+    print(f"{recipe} 2 → 1: largest weight difference from the straight run {worst:.2g}")  # for the record (-s)
+    assert worst <= 1e-6
