@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from multiloss import train
+from multiloss.config import ConfigError
 from multiloss.data.order import EpochOrder
 from tests.conftest import QUIET, load_weights
 from tests.helpers import trained_examples
@@ -189,3 +190,28 @@ def test_every_recipe_continues_two_ranks_on_one_as_the_straight_run(make_cfg, t
     worst = _same_weights(straight, run)
     print(f"{recipe} 2 → 1: largest weight difference from the straight run {worst:.2g}")  # for the record (-s)
     assert worst <= 1e-6
+
+
+TBPTT = ("recipe=tbptt", "trainer=cpu", "model.net.hidden_size=16", "data.seq_len=32", "model.sample_length=5")
+
+
+def test_tbptt_windows_continue_on_another_batch_size_and_its_streams_are_refused_by_name(make_cfg, tmp_path):
+    """tbptt's shuffled windows (``data.layout=sequences``: a fresh state each) continue mid-epoch on another batch
+    size as any examples do; its streams (the hidden state carried from window to window, each rank its own streams)
+    are refused mid-epoch, naming why, before anything is written — and continue on their own shape."""
+    windows = tmp_path / "windows"
+    train(make_cfg(*TBPTT, "data.batch_size=16", "trainer.max_steps=3", output_dir=windows))
+    first = torch.load(windows / "checkpoints/last.ckpt", weights_only=True)
+    train(make_cfg(*TBPTT, "data.batch_size=24", "trainer.max_epochs=1", "ckpt_path=last", output_dir=windows))
+    position = first["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"]
+    steps = 3 + -(-(position["examples"] - position["consumed"]) // 24)
+    assert position["consumed"] == 3 * 16
+    assert torch.load(windows / "checkpoints/last.ckpt", weights_only=True)["global_step"] == steps
+
+    streams = tmp_path / "streams"
+    train(make_cfg(*TBPTT, "data.layout=streams", "data.batch_size=4", "trainer.max_steps=2", output_dir=streams))
+    record = (streams / ".hydra/config.yaml").read_text()
+    with pytest.raises(ConfigError, match="carries its token streams' hidden state from window to window") as err:
+        train(make_cfg(*TBPTT, "data.layout=streams", "data.batch_size=2", "ckpt_path=last", output_dir=streams))
+    assert (err.value.key, err.value.value) == ("data.batch_size", 2)
+    assert (streams / ".hydra/config.yaml").read_text() == record
