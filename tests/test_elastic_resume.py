@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from multiloss import train
+from multiloss.callbacks import RunPreempted
 from multiloss.config import ConfigError
 from multiloss.data.order import EpochOrder
 from tests.conftest import QUIET, load_weights
@@ -24,6 +25,7 @@ from tests.rank_pool import pooled_train
 
 N = 200  # examples in the file; 160 train (val_fraction 0.2)
 TRAIN = 160
+SIGTERM_AT_STEP_5 = ("+callbacks.signal._target_=tests.helpers.SignalAt", "+callbacks.signal.step=5")
 
 
 @pytest.fixture(scope="module")
@@ -96,29 +98,27 @@ def test_any_stop_continues_on_any_shape_each_example_once():
                 assert sorted(ids) == list(range(n)), (n, w, b, w2, b2, batches)
 
 
-@pytest.mark.parametrize("batch_after", [12, 7])
+@pytest.mark.parametrize(("batch_after", "stop"), [(12, "max_steps"), (7, "max_steps"), (12, "sigterm")])
 def test_a_run_stopped_mid_epoch_continues_on_another_batch_size_each_example_once(
-    make_cfg, tmp_path, id_data, batch_after
+    make_cfg, tmp_path, id_data, batch_after, stop
 ):
-    """8 a batch with 2 loader workers (which fetch ahead of the step), stopped at step 5 (40 of 160 examples), then
-    12 or 7 a batch (7 does not divide the 120 left): the two runs' examples are each epoch's permutation, once."""
+    """8 a batch with 2 loader workers (which fetch ahead of the step), stopped mid-epoch by ``trainer.max_steps=5``
+    (40 of 160 examples) or by a SIGTERM as step 5's batch starts (it trains: 48), then 12 or 7 a batch (7 does not
+    divide the 120 left): the two runs' examples are each epoch's permutation, in its order, once."""
     record, run = tmp_path / "ids", tmp_path / "run"
-    common = (*_common(id_data, record), "trainer=cpu", "data.num_workers=2")
-    train(make_cfg(*common, "data.batch_size=8", "trainer.max_steps=5", output_dir=run))
-    assert trained_examples(record) == {0: _orders(1)[0][:40]}
-    train(
-        make_cfg(
-            *common,
-            f"data.batch_size={batch_after}",
-            "trainer.max_epochs=2",
-            "trainer.max_steps=-1",
-            "ckpt_path=last",
-            output_dir=run,
-        )
-    )
-    seen = trained_examples(record)
-    assert seen == _orders(2)  # in the epoch's order: the first 40, then the rest; the next epoch whole
-    steps = 5 + -(-120 // batch_after) + -(-TRAIN // batch_after)
+    common = (*_common(id_data, record), "trainer=cpu", "data.num_workers=2", "trainer.max_epochs=2")
+    if stop == "sigterm":
+        with pytest.raises(RunPreempted):
+            train(make_cfg(*common, "data.batch_size=8", *SIGTERM_AT_STEP_5, output_dir=run))
+    else:
+        train(make_cfg(*common, "data.batch_size=8", "trainer.max_steps=5", output_dir=run))
+    position = torch.load(run / "checkpoints/last.ckpt", weights_only=True)["loops"]["fit_loop"]["state_dict"]
+    consumed = position["combined_loader"][0]["position"]["consumed"]
+    assert consumed == (48 if stop == "sigterm" else 40)  # the signal's batch trains before the run stops
+    assert trained_examples(record) == {0: _orders(1)[0][:consumed]}
+    train(make_cfg(*common, f"data.batch_size={batch_after}", "trainer.max_steps=-1", "ckpt_path=last", output_dir=run))
+    assert trained_examples(record) == _orders(2)  # the first ones, then the rest; the next epoch whole
+    steps = consumed // 8 + -(-(TRAIN - consumed) // batch_after) + -(-TRAIN // batch_after)
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == steps
 
 
@@ -139,8 +139,9 @@ def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_str
     make_cfg, tmp_path, id_data, kind
 ):
     """2 ranks × 8 stopped at step 3 (48 of 160 examples) and continued on 1 × 16; 1 × 16 stopped there and continued
-    on 2 × 8 (the pool's two real ranks, 2 loader workers each; under FSDP2 DCP reads the shards onto the new ranks):
-    both equal the straight 1 × 16 run to 1e-6 in every weight, and each trains every example of both epochs once."""
+    on 2 × 8 (the pool's two real ranks, 2 loader workers each; under FSDP2 DCP reads the shards onto the new ranks);
+    and 2 × 8 continued on 1 × 8 accumulating 2 batches a step: all three equal the straight 1 × 16 run to 1e-6 in
+    every weight, and each trains every example of both epochs once."""
     common = (*_common(id_data, tmp_path / "straight_ids"), "data.num_workers=2")
     straight = tmp_path / "straight"
     train(make_cfg(*common, *ONE["ddp"], "data.batch_size=16", "trainer.max_epochs=2", output_dir=straight))
@@ -148,6 +149,12 @@ def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_str
     for name, first, then in (
         ("two_to_one", (*TWO[kind], "data.batch_size=8"), (*ONE[kind], "data.batch_size=16")),
         ("one_to_two", (*ONE[kind], "data.batch_size=16"), (*TWO[kind], "data.batch_size=8")),
+        # the global batch kept by accumulating instead: 2 ranks × 8 → 1 × 8 × k=2 (global = b × W × k)
+        (
+            "two_to_one_accumulating",
+            (*TWO[kind], "data.batch_size=8"),
+            (*ONE[kind], "data.batch_size=8", "model.accumulate_grad_batches=2"),
+        ),
     ):
         run, record = tmp_path / name, tmp_path / f"{name}_ids"
         for shape, bound in ((first, ("trainer.max_steps=3",)), (then, end)):
