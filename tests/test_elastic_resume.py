@@ -19,7 +19,7 @@ from multiloss import train
 from multiloss.callbacks import RunPreempted
 from multiloss.config import ConfigError
 from multiloss.data.order import EpochOrder
-from tests.conftest import QUIET, load_weights
+from tests.conftest import QUIET, load_weights, run_cli
 from tests.helpers import trained_examples
 from tests.rank_pool import pooled_train
 
@@ -222,3 +222,21 @@ def test_tbptt_windows_continue_on_another_batch_size_and_its_streams_are_refuse
         train(make_cfg(*TBPTT, "data.layout=streams", "data.batch_size=2", "ckpt_path=last", output_dir=streams))
     assert (err.value.key, err.value.value) == ("data.batch_size", 2)
     assert (streams / ".hydra/config.yaml").read_text() == record
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_continue_on_four_with_a_batch_that_does_not_divide_what_is_left(tmp_path, id_data):
+    """2 ranks × 8 stopped at step 3 (48 examples), continued by ``python train.py`` on 4 ranks × 5 (Lightning's
+    launcher starts them): the 112 left are 5 global batches of 20 and one of 12 (3 a rank, none repeated); the next
+    epoch 8 of 20. Each example once, every rank trained."""
+    run, record = tmp_path / "run", tmp_path / "ids"
+    mine = (*_common(id_data, record), "data.num_workers=2", "trainer.max_epochs=2")
+    pooled_train(run, *QUIET, *mine, "trainer=ddp_cpu", "data.batch_size=8", "trainer.max_steps=3", cwd=tmp_path)
+    four = ("trainer=ddp_cpu", "trainer.devices=4", "data.batch_size=5", "trainer.max_steps=-1", "ckpt_path=last")
+    proc = run_cli(*QUIET, *mine, *four, f"hydra.run.dir={run}", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(list(record.glob("trained_rank*.jsonl"))) == 4
+    seen = trained_examples(record)
+    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {e: sorted(o) for e, o in _orders(2).items()}
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3 + 6 + 8
