@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from multiloss import train
 from multiloss.config import ConfigError
 from multiloss.data import BadSample, ImagesDataModule, NpzDataModule, SamplesDataModule
 from multiloss.data.export import digit_images, export, png_bytes, write_image_zip, write_samples
@@ -50,7 +51,7 @@ def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
 def data_of(layout: str, layouts: dict[str, Path]) -> tuple[str, ...]:
     """The overrides reading the exported digits in ``layout`` as ``data=digits`` serves them."""
     path = layouts[layout]
-    if layout == "images":
+    if layout in ("images", "classes"):  # a zip with stylegan2-ada's dataset.json; class folders
         return ("data=images", f"data.path={path}", *AS_DIGITS)
     if layout == "samples":
         return ("data=samples", f"data.path={path}")
@@ -120,6 +121,24 @@ def test_two_workers_resume_mid_epoch_exactly(make_cfg, tmp_path, layouts, layou
         make_cfg, tmp_path, common, "trainer.max_steps=3", "trainer.max_steps=7"
     )
     assert_same_weights(straight, resumed)
+
+
+@pytest.mark.parametrize("layout", ["images", "classes", "samples", "npy"])
+def test_every_layout_continues_mid_epoch_on_another_batch_size(make_cfg, tmp_path, layouts, layout):
+    """Each layout's training loader keeps its place in examples (a zip's mirrored images counted too): stopped at
+    step 3 of 64 with 2 workers, continued at 96 a batch, the epoch ends after exactly the examples left.
+    (tests/test_elastic_resume.py proves by id that they are the ones left, once.)"""
+    extra = ("data.xflip=true",) if layout == "images" else ()
+    common = (*RUN, "recipe=accumulation", "model.accumulate_grad_batches=1", *data_of(layout, layouts), *extra)
+    common = (*common, "data.num_workers=2", "trainer.max_epochs=1")
+    run = tmp_path / "run"
+    train(make_cfg(*common, "data.batch_size=64", "trainer.max_steps=3", output_dir=run))
+    loops = torch.load(run / "checkpoints/last.ckpt", weights_only=True)["loops"]["fit_loop"]
+    position = loops["state_dict"]["combined_loader"][0]["position"]
+    assert position["consumed"] == 3 * 64 and position["examples"] == (2 if extra else 1) * 1438
+    train(make_cfg(*common, "data.batch_size=96", "trainer.max_steps=-1", "ckpt_path=last", output_dir=run))
+    steps = 3 + -(-(position["examples"] - 3 * 64) // 96)
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == steps
 
 
 def test_image_options_are_stylegan2_adas(tmp_path):
