@@ -134,3 +134,14 @@ def test_an_epoch_end_resume_may_change_the_batch_size(make_cfg, tmp_path):
     train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_epochs=2", "ckpt_path=last", output_dir=run))
     # 23 steps of 64 (1438 examples), then 12 of 128: every example once an epoch.
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 23 + 12
+
+
+def test_a_mid_epoch_resume_with_another_shuffle_seed_is_refused_before_anything_is_written(make_cfg, tmp_path):
+    """The checkpoint's place in the epoch is a count of its order's examples: another data.seed would name others."""
+    run = tmp_path / "run"
+    train(make_cfg(*SMALL, "trainer.max_steps=3", output_dir=run))
+    record = (run / ".hydra/config.yaml").read_text()
+    with pytest.raises(ConfigError, match="the checkpoint's, 0, until its epoch ends") as err:
+        train(make_cfg(*SMALL, "data.seed=1", "trainer.max_steps=6", "ckpt_path=last", output_dir=run))
+    assert (err.value.key, err.value.value) == ("data.seed", 1)
+    assert (run / ".hydra/config.yaml").read_text() == record

@@ -52,6 +52,7 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
             getattr(datamodule, "batch_size", None),
             trainer.world_size,
             streams=getattr(datamodule, "streams", None) is not None,
+            order=(datamodule.seed, datamodule.shuffle) if hasattr(datamodule, "seed") else None,
         )
         for change in changes if trainer.is_global_zero else ():  # one line a run, not one a rank
             log.info("resuming with %s", change)

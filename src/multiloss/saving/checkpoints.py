@@ -313,7 +313,12 @@ def saved_position(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def verify_position(
-    checkpoint: dict[str, Any], batches: dict[str, Any], batch_size: Any, world_size: int, streams: bool = False
+    checkpoint: dict[str, Any],
+    batches: dict[str, Any],
+    batch_size: Any,
+    world_size: int,
+    streams: bool = False,
+    order: tuple[Any, Any] | None = None,
 ) -> list[str]:
     """Raise `ConfigError` if a mid-epoch ``checkpoint`` cannot continue its epoch on another batch size or number of
     ranks; the changes the resume makes (one line each, for the run to say).
@@ -322,12 +327,23 @@ def verify_position(
     order, each example once, split as a fresh run on the new shape splits it. Refused mid-epoch: token streams
     (``streams``: each rank carries its streams' hidden state from window to window, and another number of ranks
     would cut the streams elsewhere) and a checkpoint of an earlier version (its place counted in batches of its
-    size on its ranks). At an epoch's end either may change.
+    size on its ranks). At an epoch's end either may change. ``order``: this run's (data.seed, data.shuffle), which
+    a mid-epoch resume keeps (its place is a count of that order's examples).
     """
+    position = saved_position(checkpoint) if mid_epoch(checkpoint) else None
+    if position is not None and order is not None:
+        for key, now in zip(("data.seed", "data.shuffle"), order):
+            then = position["seed" if key == "data.seed" else "shuffle"]
+            require(
+                now == then,
+                key,
+                now,
+                f"the checkpoint's, {then}, until its epoch ends (its place in the epoch is a count of that order's "
+                "examples); or resume from a checkpoint taken at an epoch's end to change it",
+            )
     if not batches:
         return []
     saved_size, saved_world = batches.get("batch_size"), batches.get("world_size")
-    position = saved_position(checkpoint) if mid_epoch(checkpoint) else None
     changes = []
     for key, now, then in (("data.batch_size", batch_size, saved_size), ("trainer.devices", world_size, saved_world)):
         if then is None or now is None or now == then:
