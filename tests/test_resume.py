@@ -119,7 +119,7 @@ def test_a_mid_epoch_resume_of_an_earlier_versions_checkpoint_on_another_batch_s
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_num_yielded": 10}]
     torch.save(checkpoint, ckpt)
     record = (run / ".hydra/config.yaml").read_text()
-    refused = "of an earlier version\\) counts its place in the epoch in batches of 64"
+    refused = "its place in the epoch is a count of batches of 64 on 1 rank\\(s\\), not of examples"
     with pytest.raises(ConfigError, match=refused) as err:
         train(make_cfg(*SMALL, "data.batch_size=128", "trainer.max_steps=20", "ckpt_path=last", output_dir=run))
     assert (err.value.key, err.value.value) == ("data.batch_size", 128)

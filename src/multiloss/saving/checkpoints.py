@@ -326,9 +326,9 @@ def verify_position(
     A checkpoint that keeps its place in the epoch in examples continues on any shape: the rest of the epoch's
     order, each example once, split as a fresh run on the new shape splits it. Refused mid-epoch: token streams
     (``streams``: each rank carries its streams' hidden state from window to window, and another number of ranks
-    would cut the streams elsewhere) and a checkpoint of an earlier version (its place counted in batches of its
-    size on its ranks). At an epoch's end either may change. ``order``: this run's (data.seed, data.shuffle), which
-    a mid-epoch resume keeps (its place is a count of that order's examples).
+    would cut the streams elsewhere) and a checkpoint whose loader counted batches (an earlier version's, or a data
+    module of the user's own). At an epoch's end either may change. ``order``: this run's (data.seed,
+    data.shuffle), which a mid-epoch resume keeps (its place is a count of that order's examples).
     """
     position = saved_position(checkpoint) if mid_epoch(checkpoint) else None
     if position is not None and order is not None:
@@ -364,8 +364,8 @@ def verify_position(
             "each rank carries its token streams' hidden state from window to window: another number of ranks "
             "would cut the streams elsewhere"
             if streams
-            else f"the checkpoint (of an earlier version) counts its place in the epoch in batches of {saved_size} "
-            f"on {saved_world} rank(s)"
+            else f"its place in the epoch is a count of batches of {saved_size} on {saved_world} rank(s), not of "
+            "examples (a checkpoint of an earlier version, or a training loader of your own)"
         )
         raise ConfigError(
             key,
