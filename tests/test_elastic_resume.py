@@ -240,3 +240,19 @@ def test_two_ranks_continue_on_four_with_a_batch_that_does_not_divide_what_is_le
     seen = trained_examples(record)
     assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {e: sorted(o) for e, o in _orders(2).items()}
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3 + 6 + 8
+
+
+def test_a_mid_epoch_resume_on_data_of_another_size_is_refused_before_anything_is_written(make_cfg, tmp_path):
+    """The place is a count of the data's examples: the file grown under its path would name other examples (at an
+    epoch's end the next epoch starts on whatever the data is)."""
+    path, run = tmp_path / "d.npz", tmp_path / "run"
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.random((N, 64)).astype(np.float32), y=np.arange(N) % 10)
+    common = (*RECIPE["accumulation"], "data=npz", f"data.path={path}", "trainer=cpu", "data.batch_size=8")
+    train(make_cfg(*common, "trainer.max_steps=3", output_dir=run))
+    np.savez(path, x=rng.random((N + 50, 64)).astype(np.float32), y=np.arange(N + 50) % 10)
+    record = (run / ".hydra/config.yaml").read_text()
+    with pytest.raises(ConfigError, match="the checkpoint's run trained on, 160 training examples") as err:
+        train(make_cfg(*common, "trainer.max_steps=6", "ckpt_path=last", output_dir=run))
+    assert (err.value.key, err.value.value) == ("data", "200 training examples")
+    assert (run / ".hydra/config.yaml").read_text() == record

@@ -161,22 +161,25 @@ class PositionedLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         order = self.order
-        if POSITION in state:
-            position = state[POSITION]
-            saved = (position["examples"], position["seed"], position["shuffle"])
-            if saved != (order.n, order.seed, order.shuffle):
-                raise ConfigError(
-                    "ckpt_path",
-                    "a checkpoint saved mid-epoch",
-                    f"the data its run trained on: {position['examples']} training examples in the order of "
-                    f"data.seed={position['seed']}, data.shuffle={position['shuffle']}",
-                    f"this run's data has {order.n} in the order of data.seed={order.seed}, "
-                    f"data.shuffle={order.shuffle}: the checkpoint's place in its epoch would name other examples",
-                )
-            epoch, consumed = position["epoch"], position["consumed"]
-        else:  # torchdata's StatefulDataLoader (checkpoints of earlier versions): its batches, on this shape
-            epoch, consumed = None, order.consumed(0, int(state.get("_num_yielded", 0)))
-        if consumed >= order.n:
-            return  # saved at its epoch's end: the next epoch starts at its beginning
-        order.continue_at(consumed, epoch)
-        self.on_resume(order.batches() - order.batches(consumed))
+        if POSITION not in state:  # torchdata's StatefulDataLoader (checkpoints of earlier versions): its batches
+            self._continue(order.consumed(0, int(state.get("_num_yielded", 0))), None)  # on this shape: it is kept
+            return
+        position = state[POSITION]
+        if position["consumed"] >= position["examples"]:
+            return  # saved at its epoch's end: the next epoch starts at its beginning, on whatever data
+        # Seed and shuffle are checked before the run writes anything; the examples only now, the data loaded.
+        if (position["examples"], position["seed"], position["shuffle"]) != (order.n, order.seed, order.shuffle):
+            raise ConfigError(
+                "data",
+                f"{order.n} training examples",
+                f"the data the checkpoint's run trained on, {position['examples']} training examples, until its epoch "
+                "ends; or resume from a checkpoint taken at an epoch's end",
+                "the checkpoint was saved mid-epoch, its place a count of that data's examples in its order",
+            )
+        self._continue(position["consumed"], position["epoch"])
+
+    def _continue(self, consumed: int, epoch: int | None) -> None:
+        order = self.order
+        if consumed < order.n:
+            order.continue_at(consumed, epoch)
+            self.on_resume(order.batches() - order.batches(consumed))  # the epoch's batches behind it, on this shape
