@@ -9,6 +9,7 @@ back) the resumed run's weights equal the straight run's.
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -256,3 +257,28 @@ def test_a_mid_epoch_resume_on_data_of_another_size_is_refused_before_anything_i
         train(make_cfg(*common, "trainer.max_steps=6", "ckpt_path=last", output_dir=run))
     assert (err.value.key, err.value.value) == ("data", "200 training examples")
     assert (run / ".hydra/config.yaml").read_text() == record
+
+
+def test_global_batch_size_derives_the_accumulation_and_keeps_it_through_a_resume_on_another_batch(
+    make_cfg, tmp_path, id_data, caplog
+):
+    """``global_batch_size=16``: 8 a batch accumulates 2 (said in one line); stopped at step 3 and continued at 16 a
+    batch, k is derived again (1) from the global batch the checkpoint's run carries — the straight 1 × 16 run's
+    weights. A global batch that the per-rank batch does not divide is refused, naming it, before anything is
+    written."""
+    common = (*_common(id_data, tmp_path / "ids"), "trainer=cpu", "trainer.max_epochs=2")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*common, "data.batch_size=16", output_dir=straight))
+    with caplog.at_level(logging.INFO, logger="multiloss"):
+        train(make_cfg(*common, "global_batch_size=16", "data.batch_size=8", "trainer.max_steps=3", output_dir=run))
+    assert "global batch 16 = 8 a rank × 1 rank(s) × model.accumulate_grad_batches=2" in caplog.text
+    saved = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    assert saved["hyper_parameters"]["accumulate_grad_batches"] == 2
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"]["consumed"] == 48
+    train(make_cfg(*common, "data.batch_size=16", "trainer.max_steps=-1", "ckpt_path=last", output_dir=run))
+    assert _same_weights(straight, run) <= 1e-6
+
+    with pytest.raises(ConfigError, match=r"a multiple of data\.batch_size × ranks = 12 × 1 = 12") as err:
+        train(make_cfg(*common, "global_batch_size=16", "data.batch_size=12", output_dir=tmp_path / "refused"))
+    assert (err.value.key, err.value.value) == ("global_batch_size", 16)
+    assert not (tmp_path / "refused").exists()

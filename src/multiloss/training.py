@@ -6,11 +6,11 @@ import logging
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.callbacks.run_record import RunRecord
-from multiloss.config import ConfigError, check_config
+from multiloss.config import ConfigError, check_config, require
 from multiloss.config.errors import error_from_lightning
 from multiloss.parallel.stalls import explain_stall, is_stall, last_checkpoint
 from multiloss.pitfalls import explain
@@ -41,6 +41,8 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
     ``fit`` (the streams against the ranks, what sharding refuses, the checkpoint to resume)."""
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train", model)  # what FSDP2 cannot do in this recipe refused there
+    if cfg.get("global_batch_size") is not None and _derive_accumulation(cfg, datamodule, trainer):
+        datamodule, model = build_data_and_model(cfg)  # the recipe built (and checked) with the k derived
     if (streams := getattr(datamodule, "streams", None)) is not None:
         streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
     if cfg.get("ckpt_path"):
@@ -57,6 +59,40 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
         for change in changes if trainer.is_global_zero else ():  # one line a run, not one a rank
             log.info("resuming with %s", change)
     return datamodule, model, trainer
+
+
+def _derive_accumulation(cfg: DictConfig, datamodule: L.LightningDataModule, trainer: L.Trainer) -> bool:
+    """Set ``model.accumulate_grad_batches`` to k = global_batch_size / (data.batch_size × ranks), as torchtitan
+    derives its accumulation from its global batch: the run's global batch stays what it says on any number of ranks
+    or per-rank batch, a resume on another shape included. Whether k changed (the recipe is then built again)."""
+    total, per_rank, world_size = cfg.global_batch_size, getattr(datamodule, "batch_size", None), trainer.world_size
+    require(
+        isinstance(per_rank, int),
+        "global_batch_size",
+        total,
+        "null with a data module that has no data.batch_size (the per-rank batch it divides)",
+    )
+    require(
+        isinstance(total, int) and total >= 1 and total % (per_rank * world_size) == 0,
+        "global_batch_size",
+        total,
+        f"a multiple of data.batch_size × ranks = {per_rank} × {world_size} = {per_rank * world_size} (it is "
+        "data.batch_size × ranks × model.accumulate_grad_batches), or null",
+    )
+    k = total // (per_rank * world_size)
+    if trainer.is_global_zero:  # one line a run
+        log.info(
+            "global batch %d = %d a rank × %d rank(s) × model.accumulate_grad_batches=%d",
+            total,
+            per_rank,
+            world_size,
+            k,
+        )
+    if cfg.model.get("accumulate_grad_batches") == k:
+        return False
+    with open_dict(cfg):
+        cfg.model.accumulate_grad_batches = k
+    return True
 
 
 def _fit(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule, trainer: L.Trainer) -> dict:

@@ -31,6 +31,8 @@ class TrainSchema:
     # What a checkpoint may name beyond the shipped configs' targets: false, true (all: a checkpoint you would run as
     # code) or a list of packages (multiloss.saving.trust). Given on the command line only, never carried.
     trust_checkpoint: Any = False
+    # The examples an optimizer step sees over all ranks: model.accumulate_grad_batches derived from it (null: set k).
+    global_batch_size: int | None = None
     # A sweeper's objective (hparams_search): the final metric a run returns, as a float.
     optimized_metric: str | None = None
     data: Any = MISSING
