@@ -15,6 +15,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch.utils.data import DataLoader, StackDataset
 
 from multiloss import lightning_internals as internals
@@ -121,7 +122,11 @@ class ArrayDataModule(L.LightningDataModule):
         self.test_set = StackDataset(**parts.get("test", empty))
 
     def _trainer_epoch(self) -> int | None:
-        return self.trainer.current_epoch if self.trainer is not None else None
+        """The epoch the trainer is training; None outside its run (a loader made after ``fit``, as
+        `multiloss.testing.first_batch` makes one, serves epoch 0 as a fresh run's would)."""
+        trainer = self.trainer
+        running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        return trainer.current_epoch if running else None
 
     def _ranks(self) -> tuple[int, int]:
         trainer = self.trainer
