@@ -368,7 +368,6 @@ READS = (
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop()._skip_next_val",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop()._batches_that_stepped",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop().batch_progress",
-    "lightning.pytorch.loops.fit_loop:_FitLoop._load_combined_loader_states",
     "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.should_update_logs",
     "lightning.pytorch.trainer.trainer:Trainer()._logger_connector",
     "lightning.pytorch.loops.utilities:_block_parallel_sync_behavior",
