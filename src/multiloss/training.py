@@ -12,6 +12,7 @@ from multiloss.builders import build_data_and_model, build_trainer
 from multiloss.callbacks.run_record import RunRecord
 from multiloss.config import ConfigError, check_config, require
 from multiloss.config.errors import error_from_lightning
+from multiloss.parallel.parallelism import parallelism_of
 from multiloss.parallel.stalls import explain_stall, is_stall, last_checkpoint
 from multiloss.pitfalls import explain
 from multiloss.saving.checkpoints import refuse_a_bound_already_reached, verify_checkpoint, verify_position
@@ -42,7 +43,10 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train", model)  # what FSDP2 cannot do in this recipe refused there
     if cfg.get("global_batch_size") is not None and _derive_accumulation(cfg, datamodule, trainer):
-        datamodule, model = build_data_and_model(cfg)  # the recipe built (and checked) with the k derived
+        # The recipe built with the k derived, and checked as the engine checked the first (FSDP2's refusals).
+        datamodule, model = build_data_and_model(cfg)
+        if hasattr(model, "check_sharding"):
+            parallelism_of(trainer).check(model, trainer)
     if (streams := getattr(datamodule, "streams", None)) is not None:
         streams.check(trainer.world_size)  # every rank's token streams hold a window (the ranks counted)
     if cfg.get("ckpt_path"):
