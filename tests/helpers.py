@@ -92,6 +92,41 @@ class TrainedExamples(L.Callback):
             f.write(json.dumps(line) + "\n")
 
 
+# Examples that carry their own id, for the proofs that each is trained once (`write_id_data`).
+ID_EXAMPLES = 200  # examples in the file; 160 train (val_fraction 0.2)
+ID_TRAIN = 160
+
+
+def write_id_data(path: Path) -> Path:
+    """Digits-shaped examples with an ``id`` column (npz serves every array as a batch key), at ``path``."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((ID_EXAMPLES, 64)).astype(np.float32), np.arange(ID_EXAMPLES) % 10
+    # weighted's digit tasks read parity and ink as the digits data serves them
+    np.savez(path, x=x, y=y, parity=(y % 2).astype(np.float32), ink=x.mean(1), id=np.arange(ID_EXAMPLES))
+    return path
+
+
+def recording_ids(id_data: Path, record: Path) -> tuple[str, ...]:
+    """Overrides that train on ``id_data`` and record every trained example's id into ``record``."""
+    record.mkdir(parents=True, exist_ok=True)
+    return (
+        "data=npz",
+        f"data.path={id_data}",
+        "+callbacks.ids._target_=tests.helpers.TrainedExamples",
+        f"+callbacks.ids.dirpath={record}",
+    )
+
+
+def epoch_orders(epochs: int, seed: int = 0) -> dict[int, list[int]]:
+    """Each epoch's permutation of `write_id_data`'s training examples, as their ids (the training examples are the
+    split's: the file's rows in the order of data.split_seed=0, the first 40 held out for validation)."""
+    from multiloss.data.order import EpochOrder
+
+    train_ids = np.random.default_rng(0).permutation(ID_EXAMPLES)[ID_EXAMPLES - ID_TRAIN :]
+    order = EpochOrder(ID_TRAIN, world_size=1, rank=0, batch_size=1, shuffle=True, seed=seed, drop_last=False)
+    return {epoch: train_ids[order.permutation(epoch).numpy()].tolist() for epoch in range(epochs)}
+
+
 def trained_examples(dirpath: Path) -> dict[int, list[int]]:
     """Every id `TrainedExamples` recorded in ``dirpath`` (all ranks, all runs that wrote there), by epoch."""
     seen: dict[int, list[int]] = {}

@@ -1,13 +1,20 @@
-"""A real one-node SLURM cluster for the tests: munge, slurmctld and slurmd of this machine's packages.
+"""A real SLURM cluster for the tests: munge, slurmctld and slurmd of this machine's packages.
 
 `start_cluster` installs the Debian packages when they are missing (as root, with apt-get), writes
-a ``slurm.conf`` for one node (this host, the CPUs and memory ``slurmd -C`` reports, a default
-partition, no cgroups, no accounting) into a directory of its own, with its own munge key and
-socket and ports of its own (derived from this process's id, outside the kernel's ephemeral range:
-`DAEMON_PORTS`), so it never touches a cluster the machine may already run; starts the three
-daemons in the foreground, each in a session of its own, and waits for the node to be idle.
-`Cluster.stop` cancels its jobs and ends exactly the processes it started (by PID). Anything the
-machine cannot do raises `Unavailable` with the reason (the tests then skip with it).
+a ``slurm.conf`` (each node the CPUs and memory ``slurmd -C`` reports, a default partition, no
+cgroups, no accounting) into a directory of its own, with its own munge key and socket and ports of
+its own (derived from this process's id, outside the kernel's ephemeral range: `DAEMON_PORTS`), so
+it never touches a cluster the machine may already run; starts the daemons in the foreground, each
+in a session of its own, and waits for every node to be idle.
+
+One node is this host. Several (``nodes=2``) are network namespaces of this host (`NodeNetwork`):
+each node has its own address, hostname and ``/etc/hosts``, a slurmd of its own, and reaches the
+others and slurmctld (on this host) over a bridge, so a job's ranks on two nodes rendezvous and talk
+gloo over a real network link, by node name, as on a cluster.
+
+`Cluster.stop` cancels its jobs and ends exactly the processes it started (by PID; on several nodes,
+every process inside the namespaces it made), then removes the namespaces and the bridge it
+made. Anything the machine cannot do raises `Unavailable` with the reason (the tests skip with it).
 """
 
 from __future__ import annotations
@@ -33,11 +40,96 @@ class Unavailable(Exception):
 
 
 @dataclass
+class NodeNetwork:
+    """Nodes as network namespaces of this host, on a bridge: node i is ``names[i]`` at ``addresses[i]`` in the
+    namespace ``namespaces[i]``, with ``hosts`` as its ``/etc/hosts``; slurmctld listens on this host at
+    ``host_address``."""
+
+    bridge: str
+    host_address: str
+    hosts: Path
+    names: list[str] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)  # this host's ends of the namespaces' veth pairs
+
+    def run_in(self, node: int, args: list[str]) -> list[str]:
+        """``args`` as a command run on ``node``: in its network namespace, under its own hostname and hosts file
+        (a mount namespace of its own: this host's mounts, /sys's cgroups included, are otherwise kept)."""
+        inner = f"mount --bind {self.hosts} /etc/hosts && hostname {self.names[node]} && exec {' '.join(args)}"
+        netns = f"--net=/run/netns/{self.namespaces[node]}"
+        return ["nsenter", netns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", inner]
+
+    def stop(self) -> None:
+        for namespace in self.namespaces:
+            # Everything inside is this cluster's: the slurmd and whatever its jobs left.
+            deadline = time.monotonic() + 15
+            while (pids := _ip("netns", "pids", namespace, check=False).stdout.split()) and time.monotonic() < deadline:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.1)
+            _ip("netns", "del", namespace, check=False)
+        for link in (*self.links, self.bridge):  # gone with their namespaces, unless a process still held one
+            if link:
+                _ip("link", "del", link, check=False)
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise Unavailable(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done
+
+
+def _node_network(nodes: int, host: str, root: Path) -> NodeNetwork:
+    """Make ``nodes`` namespaces on a bridge of their own, in a 10.77.x.0/24 no route of this machine uses."""
+    tools = ("ip", "nsenter", "unshare", "mount")
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or not all(map(shutil.which, tools)):
+        raise Unavailable(f"several nodes on one machine need root, Linux and {', '.join(tools)}")
+    tag = os.getpid() % 100000
+    used = _ip("-4", "route").stdout + _ip("-4", "addr").stdout
+    free = (f"10.77.{k}" for k in (*range(tag % 150 + 100, 250), *range(100, 250)) if f"10.77.{k}." not in used)
+    if (subnet := next(free, None)) is None:
+        raise Unavailable("every 10.77.x.0/24 this cluster could use for its nodes is taken on this machine")
+    network = NodeNetwork(bridge="", host_address=f"{subnet}.254", hosts=root / "hosts")
+    try:
+        # Each name added to `network` once made here: a failure undoes exactly what this call made.
+        _ip("link", "add", f"mlbr{tag}", "type", "bridge")
+        network.bridge = f"mlbr{tag}"
+        _ip("addr", "add", f"{network.host_address}/24", "dev", network.bridge)
+        _ip("link", "set", network.bridge, "up")
+        network.names = [f"mlnode{i + 1}" for i in range(nodes)]
+        network.addresses = [f"{subnet}.{i + 1}" for i in range(nodes)]
+        hosts = ["127.0.0.1 localhost", f"{network.host_address} {host}"]
+        network.hosts.write_text("\n".join(hosts + [f"{a} {n}" for a, n in zip(network.addresses, network.names)]))
+        for i, (name, address) in enumerate(zip(network.names, network.addresses, strict=True)):
+            namespace, outside = f"multiloss-{tag}-{name}", f"ml{tag}n{i + 1}"
+            _ip("netns", "add", namespace)
+            network.namespaces.append(namespace)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", "mlnic", "netns", namespace)
+            network.links.append(outside)
+            _ip("link", "set", outside, "master", network.bridge, "up")
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "mlnic")
+            _ip("-n", namespace, "link", "set", "mlnic", "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+    except BaseException:
+        network.stop()
+        raise
+    return network
+
+
+@dataclass
 class Cluster:
     root: Path
     env: dict[str, str]
     procs: list[subprocess.Popen] = field(default_factory=list)
     submitted: list[str] = field(default_factory=list)
+    network: NodeNetwork | None = None
+
+    @property
+    def node_names(self) -> list[str]:
+        return self.network.names if self.network else [_node_facts()[0]]
 
     def run(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -83,12 +175,28 @@ class Cluster:
         self.run("scancel", "--quiet", job_id, check=False)  # never left to hold the node for the next test
         raise TimeoutError(f"job {job_id} still {state} after {timeout} s (cancelled)")
 
+    def wait_held_after_requeue(self, job_id: str, timeout: float = 300) -> None:
+        """Wait until the job, requeued held (``scontrol requeuehold``), waits for ``scontrol release``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job.get("Restarts") == "1" and job.get("JobState") == "PENDING":
+                return
+            if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+                break
+            time.sleep(0.5)
+        self.run("scancel", "--quiet", job_id, check=False)
+        raise TimeoutError(f"job {job_id} was not requeued held within {timeout} s: {self.job(job_id)} (cancelled)")
+
     def stop(self) -> None:
         if jobs := self._job_ids():
             with contextlib.suppress(Exception):
                 self.run("scancel", "--quiet", *jobs, check=False)
         _stop_processes(list(reversed(self.procs)))  # slurmd, slurmctld, munged: only the processes started here
         self.procs.clear()
+        if self.network is not None:
+            self.network.stop()
+            self.network = None
 
     def _job_ids(self) -> list[str]:
         try:
@@ -170,11 +278,21 @@ def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path, timeo
     raise Unavailable(f"{what} did not come up ({logs})")
 
 
-def _slurm_conf(root: Path, host: str, cpus: int, memory: int, sock: Path, ports: tuple[int, int]) -> str:
+def _slurm_conf(
+    root: Path, host: str, cpus: int, memory: int, sock: Path, ports: tuple[int, int], network: NodeNetwork | None
+) -> str:
+    if network is None:
+        controller, nodes = "127.0.0.1", [f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory}"]
+    else:  # each namespace's node a share of the memory, every CPU (they are the same CPUs)
+        controller = network.host_address
+        nodes = [
+            f"NodeName={name} NodeAddr={address} CPUs={cpus} RealMemory={memory // len(network.names)}"
+            for name, address in zip(network.names, network.addresses, strict=True)
+        ]
     return "\n".join(
         [
             "ClusterName=multiloss-test",
-            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldHost={host}({controller})",
             f"SlurmctldPort={ports[0]}",
             f"SlurmdPort={ports[1]}",
             "AuthType=auth/munge",
@@ -184,11 +302,11 @@ def _slurm_conf(root: Path, host: str, cpus: int, memory: int, sock: Path, ports
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={root / 'state'}",
-            f"SlurmdSpoolDir={root / 'spool'}",
+            f"SlurmdSpoolDir={root / 'spool' / '%n'}",
             f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={root / 'slurmd.pid'}",
+            f"SlurmdPidFile={root / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={root / 'log/slurmctld.log'}",
-            f"SlurmdLogFile={root / 'log/slurmd.log'}",
+            f"SlurmdLogFile={root / 'log/slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SelectType=select/cons_tres",
@@ -203,18 +321,19 @@ def _slurm_conf(root: Path, host: str, cpus: int, memory: int, sock: Path, ports
             "InactiveLimit=0",
             "MinJobAge=600",
             "SchedulerType=sched/backfill",
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN",
+            *(f"{node} State=UNKNOWN" for node in nodes),
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",
         ]
     )
 
 
-def start_cluster(root: Path) -> Cluster:
-    """Bring the cluster up under ``root``; `Unavailable` if this machine cannot."""
+def start_cluster(root: Path, nodes: int = 1) -> Cluster:
+    """Bring a cluster of ``nodes`` nodes up under ``root``; `Unavailable` if this machine cannot."""
     ensure_packages()
     host, cpus, memory = _node_facts()
-    for sub in ("state", "spool", "log", "munge"):
+    network = _node_network(nodes, host, root) if nodes > 1 else None
+    for sub in ("state", "log", "munge", *(f"spool/{name}" for name in (network.names if network else [host]))):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "munge").chmod(0o711)
     key = root / "munge" / "munge.key"
@@ -225,7 +344,7 @@ def start_cluster(root: Path) -> Cluster:
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for name in [n for n in env if n.startswith(("SLURM_", "SBATCH_", "SRUN_")) and n != "SLURM_CONF"]:
         del env[name]  # a job of ours must not look like a step of the job running these tests
-    cluster = Cluster(root, env)
+    cluster = Cluster(root, env, network=network)
     munged = shutil.which("munged") or "/usr/sbin/munged"
     cluster.procs.append(
         _start(
@@ -251,11 +370,14 @@ def start_cluster(root: Path) -> Cluster:
     try:
         _wait_for(sock.exists, "munged", cluster.procs, root)
         for attempt in range(DAEMON_PORT_TRIES):
-            conf.write_text(_slurm_conf(root, host, cpus, memory, sock, _daemon_ports(attempt)))
-            daemons = []
-            for daemon in ("slurmctld", "slurmd"):
-                binary = shutil.which(daemon) or f"/usr/sbin/{daemon}"
-                daemons.append(_start([binary, "-D", "-f", str(conf)], root / f"log/{daemon}.out", env))
+            conf.write_text(_slurm_conf(root, host, cpus, memory, sock, _daemon_ports(attempt), network))
+            slurmctld, slurmd = (shutil.which(d) or f"/usr/sbin/{d}" for d in ("slurmctld", "slurmd"))
+            daemons = [_start([slurmctld, "-D", "-f", str(conf)], root / "log/slurmctld.out", env)]
+            if network is None:
+                daemons.append(_start([slurmd, "-D", "-f", str(conf)], root / "log/slurmd.out", env))
+            for i, name in enumerate(network.names if network else ()):
+                command = network.run_in(i, [slurmd, "-D", "-N", name, "-f", str(conf)])
+                daemons.append(_start(command, root / f"log/slurmd-{name}.out", env))
             cluster.procs.extend(daemons)
             try:
                 _wait_for(idle, "the node (sinfo: idle)", [*cluster.procs], root)

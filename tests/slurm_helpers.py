@@ -18,7 +18,8 @@ class PreemptOnce(L.Callback):
     itself), or ``sigusr1_to_rank_1``: SIGUSR1 to rank 1 alone (SLURM signals each node's tasks on its own:
     rank 0's may come later, or not before the agreement). The steps after it are slowed, so that the run is
     still training when the signal lands; with ``hold``, the batch of ``step`` waits for the signal instead (a
-    stop on that very batch).
+    stop on that very batch). ``scontrol_requeuehold`` requeues the job held: its next attempt waits for
+    ``scontrol release`` (a test changes the job's allocation in between).
     Writes ``preempted.txt`` (the step the run saved) into the run dir when the run stops.
     """
 
@@ -36,8 +37,10 @@ class PreemptOnce(L.Callback):
             os.kill(os.getpid(), signal.SIGUSR1)  # this rank alone: rank 0 hears of it only through the agreement
         elif not self.asked and self.how != "sigusr1_to_rank_1" and trainer.global_rank == 0:
             job = os.environ["SLURM_JOB_ID"]
-            command = ["scontrol", "requeue", job] if self.how == "scontrol_requeue" else ["scancel", "-s", "USR1", job]
-            subprocess.Popen(command)
+            if self.how.startswith("scontrol_"):  # requeue, requeuehold
+                subprocess.Popen(["scontrol", self.how.removeprefix("scontrol_"), job])
+            else:
+                subprocess.Popen(["scancel", "-s", "USR1", job])
         first = not self.asked
         self.asked = True
         if self.hold and first:

@@ -21,23 +21,18 @@ from multiloss.callbacks import RunPreempted
 from multiloss.config import ConfigError
 from multiloss.data.order import EpochOrder
 from tests.conftest import QUIET, load_weights, run_cli
-from tests.helpers import trained_examples
+from tests.helpers import ID_EXAMPLES as N
+from tests.helpers import ID_TRAIN as TRAIN
+from tests.helpers import epoch_orders as _orders
+from tests.helpers import recording_ids, trained_examples, write_id_data
 from tests.rank_pool import pooled_train
 
-N = 200  # examples in the file; 160 train (val_fraction 0.2)
-TRAIN = 160
 SIGTERM_AT_STEP_5 = ("+callbacks.signal._target_=tests.helpers.SignalAt", "+callbacks.signal.step=5")
 
 
 @pytest.fixture(scope="module")
 def id_data(tmp_path_factory) -> Path:
-    """Digits-shaped examples that carry their own ``id`` (npz serves every array as a batch key)."""
-    path = tmp_path_factory.mktemp("ids") / "ids.npz"
-    rng = np.random.default_rng(0)
-    x, y = rng.random((N, 64)).astype(np.float32), np.arange(N) % 10
-    # weighted's digit tasks read parity and ink as the digits data serves them
-    np.savez(path, x=x, y=y, parity=(y % 2).astype(np.float32), ink=x.mean(1), id=np.arange(N))
-    return path
+    return write_id_data(tmp_path_factory.mktemp("ids") / "ids.npz")
 
 
 RECIPE = {
@@ -49,24 +44,7 @@ RECIPE = {
 
 
 def _common(id_data: Path, record: Path, recipe: str = "accumulation") -> tuple[str, ...]:
-    record.mkdir(parents=True, exist_ok=True)
-    return (
-        *RECIPE[recipe],
-        "data=npz",
-        f"data.path={id_data}",
-        "trainer.limit_val_batches=1",
-        "~callbacks.loss_curves",
-        "+callbacks.ids._target_=tests.helpers.TrainedExamples",
-        f"+callbacks.ids.dirpath={record}",
-    )
-
-
-def _orders(epochs: int, seed: int = 0) -> dict[int, list[int]]:
-    """Each epoch's permutation of the training examples, as their ids (the training examples are the split's: the
-    file's rows in the order of data.split_seed=0, the first 40 held out for validation)."""
-    train_ids = torch.from_numpy(np.random.default_rng(0).permutation(N)[N - TRAIN :])
-    order = EpochOrder(TRAIN, world_size=1, rank=0, batch_size=1, shuffle=True, seed=seed, drop_last=False)
-    return {epoch: train_ids[order.permutation(epoch)].tolist() for epoch in range(epochs)}
+    return (*RECIPE[recipe], *recording_ids(id_data, record), "trainer.limit_val_batches=1", "~callbacks.loss_curves")
 
 
 def _assert_each_example_once(seen: dict[int, list[int]], epochs: int) -> None:

@@ -1,9 +1,11 @@
-"""The cluster path run on a real one-node SLURM (`tests.slurm_cluster`): 2 ranks under srun, gloo.
+"""The cluster path run on a real SLURM (`tests.slurm_cluster`): 2 ranks under srun, gloo.
 
-An sbatch DDP job; a Hydra sweep through ``hydra/launcher=slurm`` with no launcher overrides; a job
-whose config is wrong, reported to the submitting command in one line; a job requeued mid-run
-(``scontrol requeue``, and SIGUSR1 as ``sbatch --signal`` sends it) that continues from the step it
-saved, to the same weights as a run never interrupted. ``make test-slurm`` runs these alone.
+On one node: an sbatch DDP job; a Hydra sweep through ``hydra/launcher=slurm`` with no launcher
+overrides; a job whose config is wrong, reported to the submitting command in one line; a job
+requeued mid-run (``scontrol requeue``, and SIGUSR1 as ``sbatch --signal`` sends it) that continues
+from the step it saved, to the same weights as a run never interrupted. On two nodes (each a network
+namespace with its own address and hostname): a job that trains across both, loses one and is
+requeued onto the other, continuing there. ``make test-slurm`` runs these alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import QUIET, ROOT, load_checkpoint, load_weights, run_cli
+from tests.helpers import epoch_orders, recording_ids, trained_examples, write_id_data
 from tests.slurm_cluster import Unavailable, start_cluster
 
 # One worker (pytest-xdist) runs the whole module: one cluster for all of it.
@@ -43,30 +46,48 @@ def cluster(tmp_path_factory):
     up.stop()
 
 
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two nodes, mlnode1 and mlnode2 (`tests.slurm_cluster.NodeNetwork`)."""
+    try:
+        up = start_cluster(tmp_path_factory.mktemp("slurm2"), nodes=2)
+    except Unavailable as err:
+        pytest.skip(f"no two-node SLURM cluster on this machine: {err}")
+    yield up
+    up.stop()
+
+
 @pytest.fixture(autouse=True)
 def _jobs_end_with_their_test(request):
     """Whatever way a test ends, a job it left queued or running is cancelled: one failure never makes every later
     test wait behind its job."""
     yield
-    cluster = request.node.funcargs.get("cluster")  # set up (not skipped) for this test
-    if cluster is not None:
-        cluster.cancel_unfinished()
+    for name in ("cluster", "two_nodes"):
+        cluster = request.node.funcargs.get(name)  # set up (not skipped) for this test
+        if cluster is not None:
+            cluster.cancel_unfinished()
 
 
-def _script(*overrides: str, tasks: int = 2, out: Path) -> str:
+def _script(*overrides: str, tasks: int = 2, nodes: str = "1", out: Path) -> str:
     args = " ".join(f"'{o}'" for o in (*RUN, *overrides))
+    srun = "srun"
+    if nodes != "1":
+        # The trainer and the step take the nodes this attempt got (the batch's SLURM_NTASKS is the submission's).
+        args += " trainer.num_nodes=$SLURM_NNODES"
+        srun += f" --ntasks-per-node={tasks} --ntasks=$(( SLURM_NNODES * {tasks} ))"
     return (
         "#!/bin/bash\n"
-        f"#SBATCH --nodes=1 --ntasks-per-node={tasks} --cpus-per-task=1\n"
+        f"#SBATCH --nodes={nodes} --ntasks-per-node={tasks} --cpus-per-task=1\n"
         f"#SBATCH --output={out}/slurm-%j.out --open-mode=append\n"
         "export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
+        'echo "attempt ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"\n'
         # Lightning's SLURM port is 15000 + the job id, the same for a requeued attempt, which this cluster
         # restarts after 10 s (cred_expire; a real one waits 120 s): seen in use then (EADDRINUSE). Each attempt a
         # port of its own, derived from the job id and the attempt (`JOB_PORTS`): never a port bound to 0 and let go,
         # which the rank pool of the other test worker may take in the meantime.
         f"export MASTER_PORT=$(( {JOB_PORTS.start} + (SLURM_JOB_ID * 4 + ${{SLURM_RESTART_COUNT:-0}} % 4) "
         f"% {len(JOB_PORTS)} ))\n"
-        f"srun {sys.executable} {ROOT / 'train.py'} {args}\n"
+        f"{srun} {sys.executable} {ROOT / 'train.py'} {args}\n"
     )
 
 
@@ -222,3 +243,51 @@ def test_a_job_that_continues_its_run_dir_from_a_rewritten_checkpoint_runs_nothi
     said = [line for line in log.splitlines() if line.startswith("multiloss: config error: model.net._target_=")]
     assert len(said) == 2 and "Traceback" not in log, log[-3000:]  # one line from each task
     assert not marker.exists() and sorted((str(p), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_a_job_requeued_onto_fewer_nodes_continues_each_example_once_as_the_straight_run(two_nodes, tmp_path):
+    """A job on two nodes (a rank × 8 on each, over the nodes' network) is requeued mid-run, held, and its allocation
+    shrunk to one node (``scontrol update NumNodes=1``, as a scheduler gives a requeued job what is free); its next
+    attempt continues the run on mlnode1 alone, one rank × 8 accumulating 2 batches a step (``global_batch_size=16``
+    kept). Every example of both epochs is trained once, and the weights equal a straight one-rank 1 × 16 run's to
+    1e-6."""
+    id_data = write_id_data(tmp_path / "ids.npz")
+    common = (
+        *("recipe=accumulation", "model.net.width=16", "trainer.limit_val_batches=1"),
+        *("trainer.max_epochs=2", "global_batch_size=16"),
+    )
+    straight, run, record = tmp_path / "straight", tmp_path / "run", tmp_path / "ids"
+    alone = run_cli(
+        *RUN, *common, *recording_ids(id_data, tmp_path / "straight_ids"), "trainer=cpu", "data.batch_size=16",
+        f"hydra.run.dir={straight}",
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    preempt = ("how=scontrol_requeuehold", "step=4")
+    script = _script(
+        *common,
+        *recording_ids(id_data, record),
+        *("trainer=ddp_cpu", "trainer.devices=1", "data.batch_size=8", f"hydra.run.dir={run}"),
+        "+callbacks.preempt._target_=tests.slurm_helpers.PreemptOnce",
+        *(f"+callbacks.preempt.{p}" for p in preempt),
+        tasks=1,
+        nodes="2",
+        out=tmp_path,
+    )
+    job = two_nodes.sbatch(script, tmp_path)
+    two_nodes.wait_held_after_requeue(job)
+    two_nodes.run("scontrol", "update", f"JobId={job}", "NumNodes=1-1", "NumTasks=1")
+    two_nodes.run("scontrol", "release", job)
+    state = two_nodes.wait(job, timeout=400)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    attempts = [line for line in log.splitlines() if line.startswith("attempt ")]
+    assert attempts == ["attempt 0 on mlnode[1-2]", "attempt 1 on mlnode1"], log[-4000:]
+    saved_step = int((run / "preempted.txt").read_text().split()[0])
+    assert 4 < saved_step < 20  # mid-run, where the requeue's SIGTERM found it (10 steps an epoch)
+    assert _step(run / "checkpoints/last.ckpt") == 20
+    assert len(list(record.glob("trained_rank*.jsonl"))) == 2  # the rank on mlnode2 trained too
+    seen = trained_examples(record)
+    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {e: sorted(o) for e, o in epoch_orders(2).items()}
+    a, b = load_weights(run / "checkpoints/last.ckpt"), load_weights(straight / "checkpoints/last.ckpt")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
+    assert worst <= 1e-6, f"the run requeued onto one node differs from the straight run by {worst:.3g}"
