@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -125,6 +126,35 @@ def epoch_orders(epochs: int, seed: int = 0) -> dict[int, list[int]]:
     train_ids = np.random.default_rng(0).permutation(ID_EXAMPLES)[ID_EXAMPLES - ID_TRAIN :]
     order = EpochOrder(ID_TRAIN, world_size=1, rank=0, batch_size=1, shuffle=True, seed=seed, drop_last=False)
     return {epoch: train_ids[order.permutation(epoch).numpy()].tolist() for epoch in range(epochs)}
+
+
+class BalancerStartState(L.Callback):
+    """Saves the balancer's state each rank starts training from (after a resume: what it restored) to
+    ``<dirpath>/<name>_balancer_rank<r>.pt``."""
+
+    def __init__(self, dirpath: str, name: str = "run") -> None:
+        self.dirpath, self.name = dirpath, name
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from multiloss.balancers.protocol import unpack_state
+
+        state = unpack_state(pl_module.balancer.get_extra_state())
+        torch.save(state, Path(self.dirpath) / f"{self.name}_balancer_rank{trainer.global_rank}.pt")
+
+
+def started_balancer_states(dirpath: Path, name: str) -> list:
+    """What `BalancerStartState` saved for the run ``name``, by rank."""
+    paths = sorted(Path(dirpath).glob(f"{name}_balancer_rank*.pt"))
+    return [torch.load(path, weights_only=True) for path in paths]
+
+
+def balancer_states(checkpoint: Path) -> list:
+    """The balancer's states a checkpoint holds: every rank's (a per-rank rule on several ranks) or its one."""
+    from multiloss.balancers.protocol import PER_RANK, unpack_state
+
+    state_dict = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    state = unpack_state(state_dict["balancer._extra_state"])
+    return state[PER_RANK] if isinstance(state, dict) and PER_RANK in state else [state]
 
 
 def trained_examples(dirpath: Path) -> dict[int, list[int]]:

@@ -23,8 +23,8 @@ from multiloss.data.order import EpochOrder
 from tests.conftest import QUIET, load_weights, run_cli
 from tests.helpers import ID_EXAMPLES as N
 from tests.helpers import ID_TRAIN as TRAIN
+from tests.helpers import balancer_states, recording_ids, started_balancer_states, trained_examples, write_id_data
 from tests.helpers import epoch_orders as _orders
-from tests.helpers import recording_ids, trained_examples, write_id_data
 from tests.rank_pool import pooled_train
 
 SIGTERM_AT_STEP_5 = ("+callbacks.signal._target_=tests.helpers.SignalAt", "+callbacks.signal.step=5")
@@ -40,6 +40,15 @@ RECIPE = {
     "multihead": ("recipe=multihead", "model.net.width=16"),
     "weighted": ("recipe=weighted", "model.net.width=16", "balancer=uncertainty"),
     "gan": ("recipe=gan", "model.data_dim=64", "model.generator.width=16", "model.discriminator.width=16"),
+    # ADA's adaptive p (its sign sums over the ranks, its interval in D steps), a lazy R1 and G's EMA
+    "gan_ada_ema": (
+        *("recipe=gan", "model.data_dim=64", "model.generator.width=16", "model.discriminator.width=16"),
+        *("model.loss=nonsaturating", "model.penalty=r1", "model.penalty_every=2"),
+        *("+model.augment.policy=[color,translation,cutout]", "+model.augment.p=0.2", "+model.augment.ada_target=0.6"),
+        *("+model.augment.ada_interval=2", "+model.augment.ada_kimg=1", "+model.g_ema.half_life_images=500"),
+    ),
+    # MoCo keeps a K × n average per rank at scope=rank
+    "weighted_moco": ("recipe=weighted", "model.net.width=16", "balancer=moco"),
 }
 
 
@@ -152,11 +161,11 @@ def test_two_ranks_to_one_and_one_to_two_keep_the_global_batch_and_equal_the_str
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan"])
+@pytest.mark.parametrize("recipe", ["multihead", "weighted", "gan", "gan_ada_ema"])
 def test_every_recipe_continues_two_ranks_on_one_as_the_straight_run(make_cfg, tmp_path, id_data, recipe):
     """Each recipe's state follows the new shape (the GAN's noise drawn for the global batch and split by stride as
-    the examples are, its critic and generator steps; a balancer's state): 2 ranks × 8 stopped at step 3, continued
-    on 1 × 16, equals the straight 1 × 16 run; each example once."""
+    the examples are, its critic and generator steps, ADA's p and sign sums, G's EMA; a balancer's state): 2 ranks × 8
+    stopped at step 3, continued on 1 × 16, equals the straight 1 × 16 run; each example once."""
     straight, run, record = tmp_path / "straight", tmp_path / "run", tmp_path / "ids"
     epochs = ("trainer.max_epochs=2", "trainer.max_steps=-1")
     train(
@@ -176,6 +185,36 @@ def test_every_recipe_continues_two_ranks_on_one_as_the_straight_run(make_cfg, t
     worst = _same_weights(straight, run)
     print(f"{recipe} 2 → 1: largest weight difference from the straight run {worst:.2g}")  # for the record (-s)
     assert worst <= 1e-6
+    if recipe == "gan_ada_ema":  # the states compared above were live: p moved, the EMA is there
+        weights = load_weights(run / "checkpoints/last.ckpt")
+        assert float(weights["augment.p"]) != pytest.approx(0.2)
+        assert any(k.startswith("generator_ema.") for k in weights)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_balancers_per_rank_state_follows_its_rule_on_fewer_and_on_more_ranks(make_cfg, tmp_path, id_data):
+    """MoCo at ``scope=rank`` keeps each rank's own K × n average, all of them in the checkpoint. 2 ranks × 8 stopped
+    at step 3 and continued on 1 × 16: the rank starts from rank 0's average (rank 1's is dropped); 1 × 16 stopped at
+    step 3 and continued on 2 × 8: both ranks start from its one average (a rank the checkpoint did not have takes
+    rank 0's). The rule docs/reliability.md states."""
+    mine = _common(id_data, tmp_path / "ids", "weighted_moco")
+    start = ("+callbacks.start._target_=tests.helpers.BalancerStartState", f"+callbacks.start.dirpath={tmp_path}")
+    two_to_one, one_to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
+    pooled_train(two_to_one, *QUIET, *mine, "trainer=ddp_cpu", "data.batch_size=8", "trainer.max_steps=3")
+    saved = balancer_states(two_to_one / "checkpoints/last.ckpt")
+    assert len(saved) == 2 and not torch.equal(saved[0]["average"], saved[1]["average"])  # two ranks' own
+    on = ("trainer.max_steps=4", "ckpt_path=last", f"+callbacks.start.name={two_to_one.name}")
+    train(make_cfg(*mine, *start, "trainer=cpu", "data.batch_size=16", *on, output_dir=two_to_one))
+    (resumed,) = started_balancer_states(tmp_path, two_to_one.name)
+    assert torch.equal(resumed["average"], saved[0]["average"]) and resumed["steps"] == saved[0]["steps"] == 3
+
+    train(make_cfg(*mine, "trainer=cpu", "data.batch_size=16", "trainer.max_steps=3", output_dir=one_to_two))
+    (one,) = balancer_states(one_to_two / "checkpoints/last.ckpt")
+    on = ("trainer.max_steps=4", "ckpt_path=last", f"+callbacks.start.name={one_to_two.name}")
+    pooled_train(one_to_two, *QUIET, *mine, *start, "trainer=ddp_cpu", "data.batch_size=8", *on)
+    both = started_balancer_states(tmp_path, one_to_two.name)
+    assert len(both) == 2 and all(torch.equal(state["average"], one["average"]) for state in both)
 
 
 TBPTT = ("recipe=tbptt", "trainer=cpu", "model.net.hidden_size=16", "data.seq_len=32", "model.sample_length=5")
@@ -201,6 +240,21 @@ def test_tbptt_windows_continue_on_another_batch_size_and_its_streams_are_refuse
         train(make_cfg(*TBPTT, "data.layout=streams", "data.batch_size=2", "ckpt_path=last", output_dir=streams))
     assert (err.value.key, err.value.value) == ("data.batch_size", 2)
     assert (streams / ".hydra/config.yaml").read_text() == record
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tbptt_windows_continue_two_ranks_on_one_as_the_straight_run(make_cfg, tmp_path):
+    """tbptt's windows on 2 ranks × 8 stopped at step 3 and continued on 1 × 16 equal the straight 1 × 16 run (its
+    truncated backward passes, window by window, on the same examples in the same global batches)."""
+    mine = tuple(o for o in TBPTT if o != "trainer=cpu")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(make_cfg(*mine, "trainer=cpu", "data.batch_size=16", "trainer.max_steps=6", output_dir=straight))
+    pooled_train(run, *QUIET, *mine, "trainer=ddp_cpu", "data.batch_size=8", "trainer.max_steps=3", cwd=tmp_path)
+    train(make_cfg(*mine, "trainer=cpu", "data.batch_size=16", "trainer.max_steps=6", "ckpt_path=last", output_dir=run))
+    worst = _same_weights(straight, run)
+    print(f"tbptt 2 → 1: largest weight difference from the straight run {worst:.2g}")  # for the record (-s)
+    assert worst <= 1e-6
 
 
 @pytest.mark.distributed
