@@ -215,8 +215,9 @@ DAEMON_PORTS = range(24000, 25000, 2)
 DAEMON_PORT_TRIES = 5
 
 
-def _daemon_ports(attempt: int) -> tuple[int, int]:
-    first = DAEMON_PORTS[(os.getpid() + attempt * 97) % len(DAEMON_PORTS)]
+def _daemon_ports(attempt: int, nodes: int) -> tuple[int, int]:
+    # A one-node and a two-node cluster of one test process: half the range apart (on no attempt the same pair).
+    first = DAEMON_PORTS[(os.getpid() + attempt * 97 + (nodes - 1) * len(DAEMON_PORTS) // 2) % len(DAEMON_PORTS)]
     return first, first + 1
 
 
@@ -370,7 +371,7 @@ def start_cluster(root: Path, nodes: int = 1) -> Cluster:
     try:
         _wait_for(sock.exists, "munged", cluster.procs, root)
         for attempt in range(DAEMON_PORT_TRIES):
-            conf.write_text(_slurm_conf(root, host, cpus, memory, sock, _daemon_ports(attempt), network))
+            conf.write_text(_slurm_conf(root, host, cpus, memory, sock, _daemon_ports(attempt, nodes), network))
             slurmctld, slurmd = (shutil.which(d) or f"/usr/sbin/{d}" for d in ("slurmctld", "slurmd"))
             daemons = [_start([slurmctld, "-D", "-f", str(conf)], root / "log/slurmctld.out", env)]
             if network is None:
