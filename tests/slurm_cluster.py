@@ -125,11 +125,7 @@ class Cluster:
     env: dict[str, str]
     procs: list[subprocess.Popen] = field(default_factory=list)
     submitted: list[str] = field(default_factory=list)
-    network: NodeNetwork | None = None
-
-    @property
-    def node_names(self) -> list[str]:
-        return self.network.names if self.network else [_node_facts()[0]]
+    network: NodeNetwork | None = None  # several nodes: the namespaces they are
 
     def run(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout)
