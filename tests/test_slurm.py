@@ -262,7 +262,7 @@ def test_a_job_requeued_onto_fewer_nodes_continues_each_example_once_as_the_stra
         f"hydra.run.dir={straight}",
     )  # fmt: skip
     assert alone.returncode == 0, alone.stderr[-3000:]
-    preempt = ("how=scontrol_requeuehold", "step=4")
+    preempt = ("how=scontrol_requeuehold", "step=4", "hold=true")  # the batch of step 4 waits for the SIGTERM
     script = _script(
         *common,
         *recording_ids(id_data, record),
@@ -282,8 +282,7 @@ def test_a_job_requeued_onto_fewer_nodes_continues_each_example_once_as_the_stra
     assert state == "COMPLETED", log[-4000:]
     attempts = [line for line in log.splitlines() if line.startswith("attempt ")]
     assert attempts == ["attempt 0 on mlnode[1-2]", "attempt 1 on mlnode1"], log[-4000:]
-    saved_step = int((run / "preempted.txt").read_text().split()[0])
-    assert 4 < saved_step < 20  # mid-run, where the requeue's SIGTERM found it (10 steps an epoch)
+    assert (run / "preempted.txt").read_text().split()[0] == "5"  # mid-epoch 0 (10 steps an epoch), at that batch's end
     assert _step(run / "checkpoints/last.ckpt") == 20
     assert len(list(record.glob("trained_rank*.jsonl"))) == 2  # the rank on mlnode2 trained too
     seen = trained_examples(record)
