@@ -33,6 +33,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from multiloss.base.lr_scaling import effective_batch_size, lr_factor
 from multiloss.base.module import Recipe
+from multiloss.base.window import count_exact_as_mean
 from multiloss.batches import require_keys
 from multiloss.callbacks import JsonRecord
 from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
@@ -50,13 +51,15 @@ class Accumulation(Recipe):
         data: batches with ``x`` and ``y`` (class indices); ``(x, y)`` tuples too. The data module
             must have ``batch_size`` (the LR rule needs it).
 
-    The step (``training_step``, manual optimization): the micro-batch's cross-entropy divided by
-    ``accumulate_grad_batches`` = k, one ``manual_backward``; on every k-th micro-batch (and an
-    epoch's last, which may close a step of fewer than k micro-batches) clipping
-    (``gradient_clip_val``), the optimizer step, zeroing and the ``scheduler``. Under DDP only the
-    micro-batch that steps all-reduces its gradient. ``count_exact: true`` backwards each micro-batch's
-    *summed* loss over the examples of its whole step (every rank's) instead, so a short step's
-    examples weigh as much as a full one's.
+    The step (``training_step``, manual optimization): the micro-batch's cross-entropy, weighted in its
+    step, one ``manual_backward``; on every k-th micro-batch (and an epoch's last, which may close a step
+    of fewer than k micro-batches) clipping (``gradient_clip_val``), the optimizer step, zeroing and the
+    ``scheduler``. Under DDP only the micro-batch that steps all-reduces its gradient. The weight
+    (``accumulation_mean``, `multiloss.base.window`): ``examples`` (the default) multiplies the
+    micro-batch's mean by its share of the step's examples on every rank, so a short step (an epoch's
+    last) is the mean over its examples, each weighing as much as a full step's; ``micro_batches`` is
+    the seed's loop, the mean divided by k (a short micro-batch's examples weigh more; a short last
+    step of k′ < k micro-batches moves k′/k as far). On a full step the two are the same to the bit.
 
     The optimizer's configured LR (``model.optimizer.lr``) is the LR for ``base_batch_size`` examples
     per step; when the optimizer is built each param group's LR is multiplied by the ``lr_scaling``
@@ -84,9 +87,10 @@ class Accumulation(Recipe):
         optimizer: Any = None,
         lr_scaling: Literal["linear", "sqrt", "none"] = "linear",
         base_batch_size: int = 64,
-        count_exact: bool = False,
+        count_exact: bool | None = None,  # earlier versions' key: model.accumulation_mean
         **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
+        count_exact_as_mean(count_exact, step_options)
         super().__init__(**step_options)
         require(
             base_batch_size >= 1,
@@ -99,7 +103,6 @@ class Accumulation(Recipe):
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
-        self.count_exact = bool(count_exact)
         self.scaling: dict[str, float | int | str] = {}
         self.val_acc: MulticlassAccuracy | None = None  # made by the component check: the class count is the net's
 
@@ -182,43 +185,13 @@ class Accumulation(Recipe):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.prepare_batch(batch)
         # The block steps on every k-th micro-batch (and an epoch's last): clipping, step, zeroing, schedule; under
-        # DDP only that micro-batch's backward all-reduces.
+        # DDP only that micro-batch's backward all-reduces. Its backward weighs the mean loss in the step (/ k on a full
+        # one; by its examples' share on a short one, model.accumulation_mean=examples).
         with self.step_of(self.optimizers(), batch_idx) as step:
             logits = self(batch["x"])
-            if self.count_exact:  # the micro-batch's summed loss over every example of its step, all ranks'
-                summed = F.cross_entropy(logits, batch["y"], reduction="sum")
-                loss = summed.detach() / len(batch["y"])
-                step.backward(summed * (self.trainer.world_size / self.examples_in_step(batch_idx)), scaled=True)
-            else:  # loss / k: k micro-batches of b sum to the gradient of the mean over k·b
-                loss = F.cross_entropy(logits, batch["y"])
-                step.backward(loss)
+            loss = F.cross_entropy(logits, batch["y"])
+            step.backward(loss)
             self.log_losses({"total": loss}, batch_size=len(batch["y"]))
-
-    def examples_in_step(self, batch_idx: int) -> int:
-        """How many examples, over every rank, the optimizer step that micro-batch ``batch_idx`` belongs to sees.
-
-        From the loader's sampler (examples per rank: equal on every rank, DistributedSampler pads),
-        its batch size and ``drop_last``, and the epoch's micro-batch count: all full but an epoch's
-        last, and Lightning closes an epoch's last step with whatever micro-batches are left.
-        """
-        trainer = self.trainer
-        loader = trainer.train_dataloader
-        per_rank, size = len(loader.sampler), loader.batch_size
-        require(
-            isinstance(size, int),
-            "count_exact",
-            True,
-            "a training loader with a batch_size and a sampler (not a batch_sampler), or count_exact=false",
-        )
-        in_epoch = per_rank // size if loader.drop_last else -(-per_rank // size)
-        used = min(int(trainer.num_training_batches), in_epoch)
-        k = self.accumulate_grad_batches
-        first = (batch_idx // k) * k
-        sizes = [
-            size if i < in_epoch - 1 or loader.drop_last else per_rank - (in_epoch - 1) * size
-            for i in range(first, min(first + k, used))
-        ]
-        return sum(sizes) * trainer.world_size
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         batch = self.prepare_batch(batch)

@@ -52,7 +52,8 @@ import torch
 
 from multiloss.base.module import Recipe
 from multiloss.base.precision import grad_scaler
-from multiloss.base.step import step_schedules
+from multiloss.base.step import ends_optimizer_step, step_schedules
+from multiloss.base.window import Window
 from multiloss.batches import require_keys
 from multiloss.callbacks import GeneratedSamplesPlot
 from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
@@ -281,16 +282,18 @@ class GAN(Recipe):
 
     # --- the pieces: noise, the two losses ------------------------------------------------------
 
-    def noise(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``n`` latent vectors (n, latent_dim) and interpolation weights ε ∈ (0, 1) (n, 1) for this rank: one draw
-        of a row per sample (`multiloss.gan.noise`), so k micro-batches draw what one batch of k·b draws."""
-        rows = self._rows(n, self.latent_dim + 1)
+    def noise(self, n: int, everyone: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` latent vectors (n, latent_dim) and interpolation weights ε ∈ (0, 1) (n, 1) for this rank, of one draw
+        of a row per sample of every rank (``everyone``; n × world size when not given: `multiloss.gan.noise`), so
+        k micro-batches draw what one batch of their examples draws, and W ranks what one rank of W·b does."""
+        rows = self._rows(n, self.latent_dim + 1, everyone)
         return rows[:, :-1], torch.special.ndtr(rows[:, -1:])  # ndtr: Φ, so ε is uniform
 
-    def _rows(self, n: int, width: int) -> torch.Tensor:
-        """This rank's ``n`` of ``n × world_size`` rows of ``width`` standard normals from the noise stream."""
+    def _rows(self, n: int, width: int, everyone: int | None = None) -> torch.Tensor:
+        """This rank's ``n`` of ``everyone`` (n × world size) rows of ``width`` standard normals from the noise
+        stream."""
         world = self.trainer.world_size if self.attached_trainer is not None else 1
-        return self.noise_stream.rows(n, width, self.device, self.global_rank, world)
+        return self.noise_stream.rows(n, width, self.device, self.global_rank, world, everyone)
 
     @property
     def adaptive_augmentation(self) -> bool:
@@ -372,7 +375,7 @@ class GAN(Recipe):
         self.apply_schedules(opt_g, opt_d)  # this batch's rate, β2, γ, half-life, p from the images seen before it
         g_steps = self.generator_steps_after(batch_idx)
         if g_steps and self.g_step_after == "before":  # stylegan2-ada's order: Gmain, then Dmain (and Dreg)
-            self.generator_step(opt_g, real)
+            self.generator_step(opt_g, batch_idx, real)
         if d_turn:
             d_stepped, kept = self.discriminator_step(opt_d, batch_idx, real, g_steps)
         else:  # G's own batch: no D step, only D's epoch schedule at an epoch's end
@@ -383,7 +386,7 @@ class GAN(Recipe):
         # only now, never through a graph from before that step), on g_input's noise; only the last one syncs.
         # (A batch without G's step only advances G's epoch schedule: nothing to toggle.)
         if self.g_step_after != "before":
-            self.generator_step(opt_g, real, g_steps, kept)
+            self.generator_step(opt_g, batch_idx, real, g_steps, kept)
         if g_steps and self.generator_ema is not None:
             self.generator_ema.update(self.generator)  # after G's step and the batch's D step: the images D saw
         if d_stepped:
@@ -394,7 +397,10 @@ class GAN(Recipe):
     ) -> tuple[bool, torch.Tensor | None]:
         """D's micro-batch on this batch's reals and fresh fakes, D's step on every k-th batch (and an epoch's last),
         then its lazy penalties' step and ADA's move; whether D stepped, and (same_fakes) the fakes with G's graph."""
-        z, eps = self.noise(len(real))
+        # This micro-batch's examples here and on every rank (the loader's, `multiloss.base.window`): the noise is one
+        # draw of every rank's rows, the images seen count every rank's.
+        examples = self.step_examples(batch_idx, len(real))[batch_idx % self.accumulate_grad_batches]
+        z, eps = self.noise(len(real), examples[1])
         # same_fakes (DCGAN): G's one forward of the batch, its graph kept for G's step (through G's own DDP wrapper,
         # whose backward is then G's step's).
         kept = synced(self, "generator")(z) if g_steps and self.g_input == "same_fakes" else None
@@ -417,45 +423,54 @@ class GAN(Recipe):
                 d_losses = self.discriminator_losses(real, fake, eps)
                 d_step.backward(d_losses["d"])
             self.log_losses(d_losses, batch_size=len(real))  # before D's step: the non-finite guard judges it
-            self._d_micro.append(DMicroBatch(z, real, fake, eps))
-            self.images_seen += len(real) * self.trainer.world_size
+            self._d_micro.append(DMicroBatch(z, real, fake, eps, examples))
+            self.images_seen += examples[1]
             if self.generator_ema is not None:
-                self.generator_ema.count(len(real) * self.trainer.world_size)
+                self.generator_ema.count(examples[1])
         if d_step.stepping:
             self.lazy_penalty_step(opt_d)
             self.d_steps += 1
-            images = len(real) * self.trainer.world_size * self.accumulate_grad_batches
+            images = sum(micro.examples[1] for micro in self._d_micro)
             if self.adaptive_augmentation and self.augment.adapt_after(self.d_steps, images):  # ADA's p moved
                 self.log("augment/p", self.augment.p.float(), rank_zero_only=True)
         return d_step.stepping, kept
 
-    def generator_step(self, opt_g: Any, real: torch.Tensor, g_steps: bool = True, kept: Any = None) -> None:
-        """G's step (or, ``g_steps`` false, only its epoch schedule): k micro-batches through D as it is now."""
-        with self.step_of(opt_g, stepping=g_steps, components=("generator",), toggle=g_steps) as g_step:
+    def generator_step(
+        self, opt_g: Any, batch_idx: int, real: torch.Tensor, g_steps: bool = True, kept: Any = None
+    ) -> None:
+        """G's step (or, ``g_steps`` false, only its epoch schedule) through D as it is now: a micro-batch for each of
+        the D step's (k, fewer in an epoch's short last one), each of its examples, weighed as D's
+        (``model.accumulation_mean``)."""
+        micro_batches = self.step_examples(batch_idx, len(real)) if g_steps else []
+        with self.step_of(opt_g, batch_idx, stepping=g_steps, components=("generator",), toggle=g_steps) as g_step:
             g_losses = []
-            for micro in g_step.micro_batches(self.accumulate_grad_batches if g_steps else 0):
-                fake = kept if kept is not None else self.generator_output(micro, len(real))
+            for micro in g_step.micro_batches(len(micro_batches)):
+                mine, everyone = micro_batches[micro]
+                fake = kept if kept is not None else self.generator_output(micro, max(mine, 1), everyone)
                 paired = (self._d_micro[micro].real if self._d_micro else real) if self.loss in PAIRED else None
                 g_loss = self.generator_loss(fake, paired)
-                g_step.backward(g_loss)
+                g_step.backward(g_loss, micro=micro)
                 g_losses.append(g_loss.detach())
             if g_losses:
                 self.log_losses({"g": torch.stack(g_losses).mean()}, batch_size=len(real))
         if g_steps:
-            self.lazy_path_length_step(opt_g, len(real))
+            self.lazy_path_length_step(opt_g, micro_batches)
             self.g_steps += 1
 
-    def lazy_path_length_step(self, opt_g: Any, n: int) -> None:
+    def lazy_path_length_step(self, opt_g: Any, micro_batches: list[tuple[int, int]]) -> None:
         """stylegan2-ada's ``Greg`` (``model.path_length``): after every ``g_reg_every``-th G step (from the first),
-        one more G step of the path-length penalty alone, times ``g_reg_every``, on fresh latents (``n //
-        batch_shrink`` a micro-batch); not counted in ``trainer.global_step``, moving no schedule."""
+        one more G step of the path-length penalty alone, times ``g_reg_every``, on fresh latents (a micro-batch for
+        each of G's step's, of its examples a rank // ``batch_shrink``, alike on every rank); not counted in
+        ``trainer.global_step``, moving no schedule."""
         if self.path_length is None or self.g_steps % self.g_reg_every:
             return
+        world = self.trainer.world_size
         with self.step_of(opt_g, stepping=True, components=("generator",), toggle=True, counted=False) as reg:
             values = []
-            k = self.accumulate_grad_batches
-            for _ in reg.micro_batches(k):
-                z, _ = self.noise(max(1, n // self.path_length.batch_shrink))
+            k = len(micro_batches)
+            n = -(-micro_batches[0][1] // world)  # (for the log's batch size)
+            for micro in reg.micro_batches(k):
+                z, _ = self.noise(max(1, -(-micro_batches[micro][1] // world) // self.path_length.batch_shrink))
                 loss, value = self.path_length.loss(
                     self.generator, synced(self, "generator"), z, self._rows, self._sum_over_ranks
                 )
@@ -498,6 +513,7 @@ class GAN(Recipe):
             return
         with self.step_of(opt_d, stepping=True, components=("discriminator",), toggle=True, counted=False) as reg:
             values: dict[str, list[torch.Tensor]] = {name: [] for name in self.penalties}
+            weights = self.lazy_penalty_weights()
             for micro in reg.micro_batches(len(self._d_micro)):
                 kept = self._d_micro[micro]
                 total = 0
@@ -508,23 +524,36 @@ class GAN(Recipe):
                     value = penalty(name, critic, kept.real, kept.fake, kept.eps, self.scaler())
                     total = total + weight * value
                     values[name].append(value.detach())
-                # Divided by the micro-batches taken (an epoch's last D step may have fewer than k).
-                reg.backward(self.penalty_every * total / len(self._d_micro), scaled=True)
+                reg.backward(self.penalty_every * total * weights[micro], scaled=True)
             means = {name: torch.stack(taken).mean() for name, taken in values.items()}
             self.log_losses(means, batch_size=len(self._d_micro[0].real))
+
+    def lazy_penalty_weights(self) -> list[float]:
+        """What multiplies each of the D step's micro-batches' penalties in the lazy step: its weight in D's step
+        (``model.accumulation_mean``: its examples' share, or 1/k), 1 / the micro-batches taken where the loader does
+        not say its examples."""
+        k, taken = self.accumulate_grad_batches, self._d_micro
+        if self.accumulation_mean != "examples" or self.example_counts() is None:
+            return [1 / len(taken)] * len(taken)
+        window = Window(tuple(micro.examples for micro in taken), self.trainer.world_size, k)
+        return [1 / k if (w := window.weight(i)) is None else w for i in range(len(taken))]
 
     def generator_steps_after(self, batch_idx: int) -> bool:
         """Whether G steps in training batch ``batch_idx`` (`multiloss.gan.phases.generator_steps_after`)."""
         if self.g_reals == "own_batch":  # R3GAN's: D on one batch, G on the next with its reals
             return self.d_steps > self.g_steps
-        return generator_steps_after(batch_idx, self.accumulate_grad_batches, self.n_critic, self.g_step_after)
+        ends_d_step = ends_optimizer_step(self, batch_idx)
+        return generator_steps_after(
+            batch_idx, self.accumulate_grad_batches, self.n_critic, self.g_step_after, ends_d_step
+        )
 
-    def generator_output(self, micro: int, n: int) -> torch.Tensor:
-        """G's samples for micro-batch ``micro`` of its step: on fresh noise, or (``same_z``) on D's micro-batch's."""
+    def generator_output(self, micro: int, n: int, everyone: int | None = None) -> torch.Tensor:
+        """G's samples for micro-batch ``micro`` of its step: on fresh noise (``n`` here of ``everyone`` rows on every
+        rank), or (``same_z``) on D's micro-batch's."""
         if self.g_input == "same_z":
             z = self._d_micro[micro].z
         else:
-            z, _ = self.noise(n)
+            z, _ = self.noise(n, everyone)
         return synced(self, "generator")(z)
 
     # --- validation: losses and mode coverage on a fixed evaluation noise -----------------------

@@ -50,6 +50,7 @@ from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import Perplexity
 
 from multiloss.base.module import Recipe
+from multiloss.base.window import count_exact_as_mean
 from multiloss.batches import require_keys
 from multiloss.callbacks import TextSamples
 from multiloss.component_check import call_component, check_rows_independent, describe_batch, describe_output
@@ -98,19 +99,20 @@ class TruncatedBPTT(Recipe):
     Lightning checks it after each batch, so a run ends on a whole batch.
 
     Accumulation (``accumulate_grad_batches = k``): a micro-batch is a *chunk*. The gradients of k
-    consecutive chunks of a batch (each loss / k) are summed before one clipped step; the state is
-    still detached after every chunk, so memory stays that of one chunk. The last chunk of a batch
-    always steps (no gradient is carried into the next batch). ``k ≥`` the number of chunks gives
-    one step per batch on the mean of its truncated chunk gradients.
+    consecutive chunks of a batch are summed before one clipped step; the state is still detached
+    after every chunk, so memory stays that of one chunk. The last chunk of a batch always steps (no
+    gradient is carried into the next batch). ``k ≥`` the number of chunks gives one step per batch.
+    A recipe of chunks, not batches: ``global_batch_size`` is refused where it would make k > 1.
 
-    Every chunk of a step weighs the same there, so the tokens of a short chunk (the last, when
-    ``chunk_length`` does not divide the length) or of a padded one weigh more than a full chunk's,
-    and under DDP a rank's tokens weigh 1/world size whatever their number. ``count_exact: true``
-    weighs every scored token of a step the same, across its chunks and every rank's (their counts
-    all-reduced once per batch): the step's gradient is that of the mean loss over all those tokens,
-    as one backward of their summed loss would give (`multiloss.testing.tbptt_gradients` with
-    ``count_exact=True`` is the reference). Under DDP the ranks' batches must split into the same
-    number of chunks (one length), as the step count already requires.
+    How a step weighs its chunks (``accumulation_mean``, `multiloss.base.window`): ``examples`` (the
+    default) weighs every scored token of a step the same, across its chunks and every rank's (their
+    counts all-reduced once per batch): the step's gradient is that of the mean loss over all those
+    tokens, as one backward of their summed loss would give (`multiloss.testing.tbptt_gradients` with
+    ``count_exact=True`` is the reference). ``micro_batches`` is the plain loop's: each chunk's mean
+    over its tokens / k, so the tokens of a short chunk (the last, when ``chunk_length`` does not
+    divide the length) or of a padded one weigh more than a full chunk's, and under DDP a rank's
+    tokens weigh 1/world size whatever their number. Under DDP the ranks' batches must split into
+    the same number of chunks (one length), as the step count already requires.
 
     Logs ``loss/ce`` (nats per scored token, over the batch) per step, ``val/loss/ce`` and ``val/ppl``
     (perplexity, torchmetrics) per validation, and for bytes and characters ``train/bpc`` and
@@ -152,9 +154,10 @@ class TruncatedBPTT(Recipe):
         sample_length: int = 300,
         sample_temperature: float = 0.8,
         sample_seed: int = 0,
-        count_exact: bool = False,
+        count_exact: bool | None = None,  # earlier versions' key: model.accumulation_mean
         **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
+        count_exact_as_mean(count_exact, step_options)
         # An LSTM's gradient explodes now and then: clipped at 1.0 unless the config says otherwise.
         super().__init__(**{"gradient_clip_val": 1.0, **step_options})
         require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (tokens per chunk)")
@@ -191,7 +194,7 @@ class TruncatedBPTT(Recipe):
             )
         self.save_hyperparameters(ignore=names_given_as_objects(net=net, optimizer=optimizer), logger=False)
         self.chunk_length, self.prompt = chunk_length, prompt
-        self.count_exact, self.carry_state = bool(count_exact), bool(carry_state)
+        self.carry_state = bool(carry_state)
         self.net = build_module(net, "net", vocab_size=len(self.vocab))
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.carried: Any = None  # carry_state: the detached state at the last training batch's end
@@ -339,7 +342,7 @@ class TruncatedBPTT(Recipe):
         xs = torch.split(batch["x"], self.chunk_length, dim=1)
         ys = torch.split(y, self.chunk_length, dim=1)
         tokens = torch.stack([(target != IGNORE_INDEX).sum() for target in ys])
-        scales = self.chunk_scales(tokens)  # each chunk's summed token loss × this: its mean / k, or count-exact
+        scales = self.chunk_scales(tokens)  # each chunk's summed token loss × this: its tokens' share, or mean / k
         # Streams: this batch goes on where the last one stopped (an epoch starts them again). Sequences: fresh.
         hidden = self.carried if self.carry_state and batch_idx > 0 else None
         nll_sum = y.new_zeros((), dtype=torch.float32)
@@ -351,7 +354,7 @@ class TruncatedBPTT(Recipe):
             with self.step_of(opt, stepping=stepping, batch_done=last) as step:
                 logits, hidden = self.net(x, hidden)
                 nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-                step.backward(nll * scales[i], scaled=True)  # its mean over its tokens / k, or count-exact
+                step.backward(nll * scales[i].to(nll.dtype), scaled=True)  # its tokens' share, or its mean / k
             # After the step: the next chunk starts from these values, its backward ends here.
             hidden = self.repackage_hidden(hidden)
             nll_sum = nll_sum + nll.detach().float()
@@ -370,19 +373,19 @@ class TruncatedBPTT(Recipe):
     def chunk_scales(self, tokens: torch.Tensor) -> torch.Tensor:
         """What multiplies each chunk's summed token loss in its backward.
 
-        Default: 1 / (the chunk's scored tokens · k) (its mean loss over k: every chunk of a step weighs
-        the same, a short or padded chunk's tokens more than a full one's). ``count_exact``: world size /
-        the scored tokens of the chunk's whole step on every rank, which DDP's mean over ranks takes back
-        out, so the step's gradient is the mean over all those tokens. One all-reduce of the batch's
-        per-step token counts (under DDP); no host sync. A step with no scored token on any rank gets a
-        zero gradient.
+        ``accumulation_mean=examples``: world size / the scored tokens of the chunk's whole step on every rank,
+        which DDP's mean over ranks takes back out, so the step's gradient is the mean over all those tokens. One
+        all-reduce of the batch's per-step token counts (under DDP); no host sync. A step with no scored token on
+        any rank gets a zero gradient. ``micro_batches``: 1 / (the chunk's scored tokens · k) (its mean loss over
+        k: every chunk of a step weighs the same, a short or padded chunk's tokens more than a full one's).
         """
         k = self.accumulate_grad_batches
-        if not self.count_exact:
-            return 1 / (tokens.clamp(min=1).float() * k)
+        counts = tokens.double()  # exact counts, and a scale as exact as the loss it multiplies (float64 runs too)
+        if self.accumulation_mean == "micro_batches":
+            return 1 / (counts.clamp(min=1) * k)
         step_of_chunk = torch.arange(len(tokens), device=tokens.device) // k
         n_steps = (len(tokens) - 1) // k + 1  # from the chunk count, not the tensor: no host sync
-        per_step = torch.zeros(n_steps, device=tokens.device).index_add_(0, step_of_chunk, tokens.float())
+        per_step = counts.new_zeros(n_steps).index_add_(0, step_of_chunk, counts)
         per_step = self.trainer.strategy.reduce(per_step, reduce_op="sum")
         return (self.trainer.world_size / per_step.clamp(min=1))[step_of_chunk]
 

@@ -17,12 +17,14 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.plugins.precision import DoublePrecision
 from omegaconf import DictConfig, OmegaConf
 
 from multiloss import lightning_internals as internals
 from multiloss.base.module import Recipe
 from multiloss.config import ConfigError
 from multiloss.config.errors import error_from_lightning
+from multiloss.config.parallel import is_sharded
 from multiloss.parallel.parallelism import engine
 from multiloss.saving.checkpoints import AtomicCheckpointIO
 
@@ -35,7 +37,11 @@ def build_trainer(
     loggers = [_build(f"logger.{k}", v) for k, v in (cfg.get("logger") or {}).items() if v]
     callbacks = run_callbacks(cfg, purpose, has_loggers=bool(loggers))
     # Checkpoints written atomically, failures loud, loads weights_only (multiloss.saving.checkpoints).
-    plugins = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
+    plugins: dict[str, Any] = {} if cfg.trainer.get("plugins") else {"plugins": [AtomicCheckpointIO()]}
+    if is_sharded(cfg.trainer) and str(cfg.trainer.get("precision")) in ("64-true", "64") and plugins:
+        # Lightning's ModelParallelStrategy takes 32-true, bf16 and 16-true as a precision flag, not 64-true; FSDP2
+        # trains in float64 all the same (the proofs of FSDP2 = DDP run in it): its DoublePrecision as a plugin.
+        plugins = {"precision": None, "plugins": [*plugins["plugins"], DoublePrecision()]}
     # One device, DDP or FSDP2, decided here once (multiloss.parallel.parallelism.engine): whatever ends in Lightning's
     # DDP runs as multiloss's DDPStrategy (Hydra-job children, one wrapper per network), FSDP2 as its FSDPStrategy.
     trainer = engine(

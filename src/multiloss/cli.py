@@ -387,7 +387,8 @@ def print_summary(metrics: dict[str, float], cfg: DictConfig) -> None:
 
     last = last_checkpoint_of(out)
     resume = f"; train on: {resume_command(last, *_twice_the_budget(cfg))}" if checkpoint_exists(last) else ""
-    console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True)
+    # Not markup: a printed command's ``trust_checkpoint=[mypkg]`` would read as a style tag and vanish.
+    console.print(f"multiloss: outputs in {out}{resume}", soft_wrap=True, markup=False)
 
 
 def _twice_the_budget(cfg: DictConfig) -> list[str]:

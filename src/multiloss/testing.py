@@ -165,17 +165,24 @@ def bare_trainer(**overrides: Any) -> L.Trainer:
     return L.Trainer(**settings)
 
 
+# The default tolerance of a comparison, by the dtype compared: a proof of algebraic equality belongs in float64, where
+# a few steps' rounding stays near 1e-15 on any CPU; float32's default is a bound for a single step's rounding.
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-6, 1e-5)}
+
+
 def assert_gradients_close(
     actual: Mapping[str, torch.Tensor | None],
     expected: Mapping[str, torch.Tensor | None],
-    atol: float = 1e-6,
-    rtol: float = 1e-5,
+    atol: float | None = None,
+    rtol: float | None = None,
     names: Iterable[str] | None = None,
 ) -> float:
     """Assert two name -> tensor maps agree (None only where both are None); return the largest difference.
 
     Compares every name of ``expected`` (or ``names``); fails on an empty comparison, so a proof
-    that compared nothing cannot pass.
+    that compared nothing cannot pass. ``atol`` / ``rtol`` default to the compared dtype's (`TOLERANCE`:
+    1e-10 in float64, 1e-6 / 1e-5 in float32); tensors of two dtypes are refused (a float64 proof
+    against a float32 reference proves float32's rounding).
     """
     keys = list(names) if names is not None else sorted(expected)
     assert keys, "nothing to compare"
@@ -186,9 +193,18 @@ def assert_gradients_close(
         if e is None or a is None:
             assert a is None and e is None, f"{k}: one gradient is None, the other is not"
             continue
-        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+        assert a.dtype == e.dtype, f"{k}: {a.dtype} against {e.dtype} (run both in one dtype)"
+        default_atol, default_rtol = TOLERANCE.get(a.dtype, TOLERANCE[torch.float32])
+        atol_k, rtol_k = default_atol if atol is None else atol, default_rtol if rtol is None else rtol
+        torch.testing.assert_close(a, e, atol=atol_k, rtol=rtol_k, msg=lambda m, k=k: f"{k}: {m}")
         worst = max(worst, (a - e).abs().max().item())
     return worst
+
+
+def in_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``batch`` with its floating-point tensors in ``dtype`` (a reference run in the dtype of a ``64-true`` run, whose
+    Trainer casts every batch it feeds the module)."""
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
 
 
 # --- plain-PyTorch references --------------------------------------------------------------------------
@@ -389,13 +405,21 @@ def gan_noise(seed: int, n: int, latent_dim: int, draws: int = 1) -> list[tuple[
     one row of ``latent_dim + 1`` standard normals per sample for each micro-batch it trains (a
     discriminator micro-batch, then each generator micro-batch): z is the row's first
     ``latent_dim`` values, ε = Φ(last value) the interpolation weight of the gradient penalty.
+    Each normal is Φ⁻¹ of its own float64 uniform (at least 2⁻⁵³), in the default dtype.
     """
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(draws):
-        rows = torch.randn(n, latent_dim + 1, generator=gen)
+        rows = gan_normals(n, latent_dim + 1, gen)
         out.append((rows[:, :latent_dim], torch.special.ndtr(rows[:, latent_dim:])))  # Φ, as the recipe computes it
     return out
+
+
+def gan_normals(n: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """``n × width`` standard normals as the GAN recipe draws them from its noise stream: each Φ⁻¹ of its own float64
+    uniform (at least 2⁻⁵³), in the default dtype — so a draw of n rows equals draws that split them."""
+    uniform = torch.rand(n, width, generator=generator, dtype=torch.float64)
+    return torch.special.ndtri(uniform.clamp(min=2.0**-53)).to(torch.get_default_dtype())
 
 
 def discriminator_gradients(

@@ -42,7 +42,7 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
     ``fit`` (the streams against the ranks, what sharding refuses, the checkpoint to resume)."""
     datamodule, model = build_data_and_model(cfg)
     trainer = build_trainer(cfg, "train", model)  # what FSDP2 cannot do in this recipe refused there
-    if cfg.get("global_batch_size") is not None and _derive_accumulation(cfg, datamodule, trainer):
+    if cfg.get("global_batch_size") is not None and _derive_accumulation(cfg, datamodule, trainer, model):
         # The recipe built with the k derived, and checked as the engine checked the first (FSDP2's refusals).
         datamodule, model = build_data_and_model(cfg)
         if hasattr(model, "check_sharding"):
@@ -65,7 +65,9 @@ def prepare(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, 
     return datamodule, model, trainer
 
 
-def _derive_accumulation(cfg: DictConfig, datamodule: L.LightningDataModule, trainer: L.Trainer) -> bool:
+def _derive_accumulation(
+    cfg: DictConfig, datamodule: L.LightningDataModule, trainer: L.Trainer, model: L.LightningModule
+) -> bool:
     """Set ``model.accumulate_grad_batches`` to k = global_batch_size / (data.batch_size × ranks), as torchtitan
     derives its accumulation from its global batch: the run's global batch stays what it says on any number of ranks
     or per-rank batch, a resume on another shape included. Whether k changed (the recipe is then built again)."""
@@ -84,6 +86,13 @@ def _derive_accumulation(cfg: DictConfig, datamodule: L.LightningDataModule, tra
         "data.batch_size × ranks × model.accumulate_grad_batches), or null",
     )
     k = total // (per_rank * world_size)
+    require(
+        k == 1 or getattr(model, "accumulates_batches", True),
+        "global_batch_size",
+        total,
+        f"data.batch_size × ranks = {per_rank * world_size}, or null: {type(model).__name__} accumulates the chunks of "
+        "a batch (model.accumulate_grad_batches), not batches, so a global batch of several batches cannot be kept",
+    )
     if trainer.is_global_zero:  # one line a run
         log.info(
             "global batch %d = %d a rank × %d rank(s) × model.accumulate_grad_batches=%d",

@@ -3,7 +3,9 @@
 The runs are the recipe's own, under the real Trainer and the real composed config; the reference
 is the hand-written loop in plain PyTorch (``loss / accumulation_steps``, ``backward()`` every batch,
 ``step()`` every ``accumulation_steps``), reading the examples straight from the split tensors.
-Weights are compared after several SGD steps (not Adam: see tests/recipes/test_multihead.py).
+Weights are compared after several SGD steps (not Adam: see tests/recipes/test_multihead.py), in
+float64 (``trainer.precision=64-true``, the references' tensors in float64) to 1e-10: an algebraic
+equality, so any CPU's rounding (~1e-16 a step) stays far inside it.
 Expected learning rates are worked out by hand in the test tables, not by calling the rule.
 """
 
@@ -29,14 +31,16 @@ FAST = (
     "optimizer=sgd",
     *ONE_CPU_NO_VAL,
     "model.net.width=32",
+    "trainer.precision=64-true",
 )
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU
 
 
 def _fit(make_cfg, *overrides, callbacks=()):
     """Initial weights, the fitted module and its trainer, for one run of the recipe's real config."""
     cfg = make_cfg(*FAST, "logger=none", "callbacks=none", *overrides)
     datamodule, model = testing.build(cfg)  # seeded, as train(cfg) builds them
-    initial = copy.deepcopy(model.net)
+    initial = copy.deepcopy(model.net).double()
     trainer = instantiate(cfg.trainer, callbacks=list(callbacks), logger=False, enable_checkpointing=False)
     trainer.fit(model, datamodule=datamodule)
     return initial, model, trainer
@@ -46,7 +50,7 @@ def _train_tensors(make_cfg):
     """The training split as plain tensors, in index order (what `data.shuffle=false` must serve)."""
     dm, _ = testing.build(make_cfg(*FAST))
     dm.setup("fit")
-    return dm.train_set.datasets["x"], dm.train_set.datasets["y"], dm
+    return dm.train_set.datasets["x"].double(), dm.train_set.datasets["y"], dm
 
 
 def _seed_loop(net, x, y, order, micro_batch, accumulation_steps, steps, lr, momentum=0.0):
@@ -143,13 +147,13 @@ def test_lr_used_equals_rule(make_cfg, tmp_path, rule, b, k, lr):
     assert json.loads((tmp_path / "lr_scaling.json").read_text())["lr"] == pytest.approx(lr, rel=1e-12)
 
     # The step itself: one SGD step on the first k·b examples (data.shuffle=false) at the rule's LR.
-    net = testing.build(cfg)[1].net
+    net = testing.build(cfg)[1].net.double()
     x, y, _ = _train_tensors(make_cfg)
     loss = F.cross_entropy(net(x[: k * b]), y[: k * b])
     grads = torch.autograd.grad(loss, list(net.parameters()))
     stepped = load_weights(tmp_path / "checkpoints/last.ckpt")
     for (name, p), g in zip(net.named_parameters(), grads):
-        torch.testing.assert_close(stepped[f"net.{name}"], p.detach() - lr * g, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(stepped[f"net.{name}"], p.detach() - lr * g, atol=EXACT, rtol=0)
 
 
 def test_resume_rescales_for_the_new_effective_batch(make_cfg, tmp_path):
@@ -232,8 +236,8 @@ def test_micro_batches_equal_one_big_batch_and_the_seed_loop(make_cfg, rule, lr,
         assert not torch.equal(order, torch.arange(len(y)))
     reference = _seed_loop(copy.deepcopy(initial), x, y, order, 16, 4, STEPS, lr, momentum)
 
-    assert _max_diff(accumulated.net, big.net) < 1e-6
-    assert _max_diff(accumulated.net, reference) < 1e-6
+    assert _max_diff(accumulated.net, big.net) < EXACT
+    assert _max_diff(accumulated.net, reference) < EXACT
     # Not vacuous: the weights moved far more than the tolerance.
     assert _max_diff(accumulated.net, initial) > 1e-3
 
@@ -250,12 +254,12 @@ def test_multiloss_testing_references_prove_the_recipe(make_cfg):
         "model.accumulate_grad_batches=4",
     )
     datamodule, model = testing.build(cfg)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1, precision="64-true")
     datamodule.setup("fit")
-    micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
+    micro = [testing.in_dtype(batch, torch.float64) for batch, _ in zip(datamodule.train_dataloader(), range(4))]
     whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
-    testing.assert_gradients_close(grads, testing.accumulated_gradients(model.net, micro), atol=1e-6)
-    testing.assert_gradients_close(grads, testing.one_batch_gradients(model.net, whole), atol=1e-6)
+    testing.assert_gradients_close(grads, testing.accumulated_gradients(model.net, micro), atol=EXACT)
+    testing.assert_gradients_close(grads, testing.one_batch_gradients(model.net, whole), atol=EXACT)
 
 
 # --- where it breaks -------------------------------------------------------------------------------
@@ -286,25 +290,24 @@ def test_batch_norm_breaks_the_equivalence(make_cfg):
 
     x, y, _ = _train_tensors(make_cfg)
     reference = _seed_loop(copy.deepcopy(initial), x, y, torch.arange(len(y)), 16, 4, STEPS, lr=0.1)
-    assert _max_diff(accumulated.net, reference) < 1e-6
-    # 1000× the tolerance the equivalence holds to without BatchNorm.
+    assert _max_diff(accumulated.net, reference) < EXACT
+    # 10⁷× the tolerance the equivalence holds to without BatchNorm.
     gap = _max_diff(accumulated.net, big.net)
     assert gap > 1e-3, gap
 
 
-def test_short_last_group_of_an_epoch_is_down_weighted(make_cfg):
-    """Lightning's epoch end: the last optimizer step takes whatever micro-batches are left, and
-    still divides each one's loss by k, so that step's gradient is Σ(micro-batch means)/k rather
-    than the mean over its examples. Here 1438 examples in micro-batches of 16 are 89 full ones and
-    one of 14: 22 steps of 4, then a 23rd step of 2 micro-batches (16 + 14 examples) whose
-    gradient is about half the mean gradient over those 30. The equivalence tests stay inside the
-    first epoch for this reason; `data.drop_last=true` with a multiple of k micro-batches per epoch
-    avoids it.
+def test_short_last_step_under_micro_batches_is_down_weighted(make_cfg):
+    """``model.accumulation_mean=micro_batches`` (the seed's loop, Lightning's own): the last optimizer step of an
+    epoch takes whatever micro-batches are left, and still divides each one's loss by k, so that step's gradient is
+    Σ(micro-batch means)/k rather than the mean over its examples. Here 1438 examples in micro-batches of 16 are 89
+    full ones and one of 14: 22 steps of 4, then a 23rd step of 2 micro-batches (16 + 14 examples) whose gradient is
+    about half the mean gradient over those 30 (the default, ``examples``, steps on that mean: the next test).
     """
     capture = GradientCapture()
     initial, _, trainer = _fit(
         make_cfg,
         "model.lr_scaling=none",
+        "model.accumulation_mean=micro_batches",
         "data.shuffle=false",
         "data.batch_size=16",
         "model.accumulate_grad_batches=4",
@@ -324,7 +327,7 @@ def test_short_last_group_of_an_epoch_is_down_weighted(make_cfg):
     want = dict(zip(params, torch.autograd.grad(lightning_rule, list(params.values()))))
     mean = dict(zip(params, torch.autograd.grad(mean_over_tail, list(params.values()))))
     for name in params:
-        torch.testing.assert_close(capture.steps[22][f"net.{name}"], want[name], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(capture.steps[22][f"net.{name}"], want[name], atol=EXACT, rtol=0)
     ratio = capture.steps[22]["net.2.weight"].norm() / mean["2.weight"].norm()
     assert 0.4 < ratio < 0.6, ratio
 
@@ -369,14 +372,16 @@ def test_bad_settings_are_rejected_before_training(make_cfg, tmp_path, override,
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_count_exact_weighs_every_example_of_the_short_last_step_the_same(make_cfg):
-    """``model.count_exact=true``: the same 23rd step (16 + 14 examples) is the mean gradient over its 30
-    examples, and a full step is still the mean over its 64 (one batch of all their examples)."""
+@pytest.mark.parametrize("key", ["model.accumulation_mean=examples", "model.count_exact=true"])
+def test_the_short_last_step_is_the_mean_over_its_examples(make_cfg, key):
+    """The default (``model.accumulation_mean=examples``; ``model.count_exact=true``, its earlier spelling, says
+    the same): the same 23rd step (16 + 14 examples) is the mean gradient over its 30 examples, and a full step is
+    still the mean over its 64 (one batch of all their examples)."""
     capture = GradientCapture()
     initial, _, _ = _fit(
         make_cfg,
         "model.lr_scaling=none",
-        "model.count_exact=true",
+        key,
         "data.shuffle=false",
         "data.batch_size=16",
         "model.accumulate_grad_batches=4",
@@ -389,11 +394,11 @@ def test_count_exact_weighs_every_example_of_the_short_last_step_the_same(make_c
     params = dict(first.named_parameters())
     full = torch.autograd.grad(F.cross_entropy(first(x[:64]), y[:64]), list(params.values()))
     for name, g in zip(params, full):
-        torch.testing.assert_close(capture.steps[0][f"net.{name}"], g, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(capture.steps[0][f"net.{name}"], g, atol=EXACT, rtol=0)
 
     net = _seed_loop(copy.deepcopy(initial), x, y, torch.arange(len(y)), 16, 4, 22, lr=0.1)
     tail = slice(22 * 64, len(y))
     params = dict(net.named_parameters())
     mean = torch.autograd.grad(F.cross_entropy(net(x[tail]), y[tail]), list(params.values()))
     for name, g in zip(params, mean):
-        torch.testing.assert_close(capture.steps[22][f"net.{name}"], g, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(capture.steps[22][f"net.{name}"], g, atol=EXACT, rtol=0)

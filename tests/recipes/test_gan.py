@@ -147,7 +147,7 @@ def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
 
     # The recipe's noise: one row of latent_dim + 1 normals per sample; the last becomes ε = Φ(row).
     noise = torch.Generator().manual_seed(cfg.seed)  # the run's seed, which the config passes as noise_seed
-    rows = torch.randn(BATCH, latent + 1, generator=noise)
+    rows = testing.gan_normals(BATCH, latent + 1, noise)
     z, eps = rows[:, :latent], 0.5 * (1 + torch.erf(rows[:, latent:] / math.sqrt(2)))
     with torch.no_grad():
         fake = G(z)
@@ -160,7 +160,7 @@ def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
     with torch.no_grad():
         for p, g in zip(D.parameters(), d_grads.values()):
             p -= lr * g
-    z = torch.randn(BATCH, latent + 1, generator=noise)[:, :latent]
+    z = testing.gan_normals(BATCH, latent + 1, noise)[:, :latent]
     d_out = D(G(z))
     g_loss = -d_out.mean() if cfg.model.loss == "wgan-gp" else -torch.log(torch.sigmoid(d_out)).mean()
     g_grads = _named_grads(g_loss, G, "generator")

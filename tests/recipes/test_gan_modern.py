@@ -460,7 +460,7 @@ def test_a_penalty_every_step_differentiates_the_scores_the_loss_saw(make_cfg, k
     stream = torch.Generator().set_state(model._noise_generator().get_state())
     losses = model.discriminator_losses(real, fake)
 
-    u_real, u_fake = (torch.special.ndtr(torch.randn(16, model.augment.draws, generator=stream)) for _ in "rf")
+    u_real, u_fake = (torch.special.ndtr(testing.gan_normals(16, model.augment.draws, stream)) for _ in "rf")
     assert torch.equal(stream.get_state(), model._noise_generator().get_state())
     x = (real if kind == "r1" else fake).clone().requires_grad_(True)
     d_real = model.discriminator(model.augment(x if kind == "r1" else real, u_real))

@@ -297,8 +297,8 @@ class _Record(L.Callback):
         pl_module.generator.register_forward_pre_hook(lambda module, args: self.zs.append(args[0].detach().clone()))
         rows = pl_module._rows
 
-        def recorded(n: int, width: int) -> torch.Tensor:
-            out = rows(n, width)
+        def recorded(n: int, width: int, everyone: int | None = None) -> torch.Tensor:
+            out = rows(n, width, everyone)
             self.draws.append((width, out.clone()))
             return out
 

@@ -23,6 +23,7 @@ from torch import nn
 from multiloss.balancers.protocol import GradientBalancer, GramianRule, own_rank_state, pack_state, unpack_state
 from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
 from multiloss.balancers.torchjd_state import has_state, load_state, state_of
+from multiloss.base.precision import widened
 from multiloss.config import require
 
 
@@ -342,7 +343,7 @@ class IMTL(JacobianDescent):
 
     def _scale_term(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         """Σ e^sᵢ·cᵢLᵢ - sᵢ with the losses held constant: its backward is the scales' gradient."""
-        values = torch.stack([loss.detach().float() for loss in losses]) * self.base
+        values = torch.stack([widened(loss.detach()) for loss in losses]) * self.base
         return (torch.exp(self.log_scale) * values - self.log_scale).sum()
 
 
@@ -433,7 +434,7 @@ class GradNorm(GradientBalancer):
         """LibMTL's GradNorm (``GradNorm.py`` 24-50 at 4336804): weight 1 through the first epoch (whose losses are
         averaged: ``train_loss_buffer[:, 0]``), then K·softmax(s) of its parameters s."""
         if self.epoch == 0:
-            values = (self.base * losses.detach().float()).to(self.first_epoch_sum.device)
+            values = (self.base * widened(losses.detach())).to(self.first_epoch_sum.device)
             if self.scope == "global" and self._mean_over_ranks is not None:
                 values = self._mean_over_ranks(values)
             self.first_epoch_sum, self.first_epoch_steps = (
@@ -453,7 +454,7 @@ class GradNorm(GradientBalancer):
         if self.epoch == 0:
             return GramianRule(ones, ones)
         scale = self._libmtl_scale()
-        values = self.base * torch.stack([loss.detach().float() for loss in losses]).to(self.base.device)
+        values = self.base * torch.stack([widened(loss.detach()) for loss in losses]).to(self.base.device)
         if self.scope == "global" and self._mean_over_ranks is not None:
             values = self._mean_over_ranks(values)
         first = (self.first_epoch_sum / max(self.first_epoch_steps, 1)).to(values.device)
@@ -467,7 +468,7 @@ class GradNorm(GradientBalancer):
             rule = self._libmtl_rule(grads.vectors.norm(dim=1), losses)
             surrogate = gradient_surrogate(grads, rule.shared.to(grads.vectors.dtype) @ grads.vectors)
             return surrogate if rule.extra is None else surrogate + rule.extra
-        own = self._own_term(grads.vectors.float().norm(dim=1), losses)  # ‖∇_W cᵢLᵢ‖
+        own = self._own_term(widened(grads.vectors).norm(dim=1), losses)  # ‖∇_W cᵢLᵢ‖
         weighted = grads.scaled(self.task_weight.detach())
         # The net's gradient Σ wᵢ·∇(cᵢLᵢ), and the weights' own: the gradient of their loss, target held constant.
         return gradient_surrogate(weighted, weighted.vectors.sum(0)) + own
@@ -475,13 +476,13 @@ class GradNorm(GradientBalancer):
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
         if self.convention == "libmtl":
             return self._libmtl_rule(gramian.diagonal().clamp_min(0).sqrt(), losses)
-        own = self._own_term(gramian.diagonal().float().clamp_min(0).sqrt(), losses)
+        own = self._own_term(widened(gramian.diagonal()).clamp_min(0).sqrt(), losses)
         w = self.task_weight.detach().to(gramian.dtype)
         return GramianRule(w, w, own)
 
     def _own_term(self, norms: torch.Tensor, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         """The weights' loss for the shared gradients' norms ``norms``: its gradient is sign(Gᵢ - Ḡrᵢ^α)·normᵢ."""
-        values = torch.stack([loss.detach().float() for loss in losses])
+        values = torch.stack([widened(loss.detach()) for loss in losses])
         if self.scope == "global" and self._mean_over_ranks is not None:
             values = self._mean_over_ranks(values)  # the global batch's losses, as its gradients
         if self.initial_losses.device != values.device:

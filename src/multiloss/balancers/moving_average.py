@@ -24,6 +24,7 @@ from torch import nn
 
 from multiloss.balancers.protocol import GradientBalancer, own_rank_state, pack_state, unpack_state
 from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate
+from multiloss.base.precision import widened
 from multiloss.config import require
 
 
@@ -54,7 +55,7 @@ class _MovingAverage(GradientBalancer):
     def _loss_values(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tasks' cᵢLᵢ, detached: the global batch's (averaged over the ranks) with ``scope=global``, as the
         gradients are."""
-        values = torch.stack([(c * loss).detach().float() for c, loss in zip(self.base, losses)])
+        values = torch.stack([widened((c * loss).detach()) for c, loss in zip(self.base, losses)])
         if self.scope == "global" and self._mean_over_ranks is not None:
             values = self._mean_over_ranks(values)
         return values

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from multiloss.base.precision import widened
+
 
 def apply_sharded_rule(
     net: nn.Module,
@@ -46,9 +48,9 @@ def apply_sharded_rule(
     with torch.autocast(weighted[0].device.type, enabled=False):
         rows = torch.stack(
             [
-                torch.cat([_local(grads[name], p).reshape(-1).float() for name, p in params if name in shared_names])
+                torch.cat([widened(_local(grads[name], p).reshape(-1)) for name, p in params if name in shared_names])
                 if shared_names
-                else weighted[0].new_zeros(0, dtype=torch.float32)
+                else widened(weighted[0].new_zeros(0))
                 for grads in per_task
             ]
         )

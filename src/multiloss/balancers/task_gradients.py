@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from multiloss.balancers.layer_gramian import reached
+from multiloss.base.precision import widened
 from multiloss.config import require
 
 
@@ -134,4 +135,4 @@ def gradient_surrogate(gradients: TaskGradients, shared_vector: torch.Tensor) ->
     surrogate += [(p * g.detach()).sum() for p, g, _ in gradients.own]
     if not surrogate:
         return shared_vector.new_zeros((), requires_grad=True)
-    return torch.stack([s.float() for s in surrogate]).sum()
+    return torch.stack([widened(s) for s in surrogate]).sum()

@@ -5,9 +5,10 @@ Lightning's manual optimization: its ``training_step`` is the whole step as a pl
 writes it — forward, the losses, the recipe's backward, clipping, the optimizer step, zeroing, the
 learning-rate schedule — and the Trainer supplies the loop, devices, precision, DDP, logging and
 checkpoints. The step options are declared once, as the parameters of `Recipe.__init__` (a recipe
-passes its ``**step_options`` on; ``configs/step_options/default.yaml`` gives them to every recipe
-under ``model.``): ``accumulate_grad_batches`` (k micro-batches per optimizer step),
-``gradient_clip_val`` / ``gradient_clip_algorithm``, ``scheduler`` and ``compile``. Lightning's
+passes its ``**step_options`` on; ``configs/recipe_common/default.yaml`` gives them to every recipe
+under ``model.``): ``accumulate_grad_batches`` (k micro-batches per optimizer step), ``accumulation_mean``
+(how a step averages its micro-batches and ranks: `multiloss.base.window`), ``gradient_clip_val`` /
+``gradient_clip_algorithm``, ``scheduler`` and ``compile``. Lightning's
 ``trainer.accumulate_grad_batches`` / ``trainer.gradient_clip_val`` are refused with these keys named
 (Lightning cannot apply them under manual optimization).
 """
@@ -26,6 +27,7 @@ from multiloss.base.optimizers import RecipeOptimizers
 from multiloss.base.schedules import StepOnValidation
 from multiloss.base.step import OptimizerStep, check_step_options, ends_optimizer_step, refuse_lightning_step_options
 from multiloss.base.training_log import TrainingLogWriter
+from multiloss.base.window import Counts, Window, example_counts, window_of
 from multiloss.batches import as_dict, probe_batch
 from multiloss.component_check import run_check
 from multiloss.components import compile_in_place, name_of, to_plain
@@ -93,11 +95,15 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         scheduler: Any = None,
         compile: bool = False,
         fsdp: dict[str, Any] | None = None,
+        accumulation_mean: Literal["examples", "micro_batches"] = "examples",
     ) -> None:
         super().__init__()
-        check_step_options(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm)
+        check_step_options(accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, accumulation_mean)
         self.automatic_optimization = False  # each step is the recipe's own training_step, visible end to end
         self.accumulate_grad_batches = accumulate_grad_batches
+        self.accumulation_mean = accumulation_mean  # how a step averages its micro-batches and ranks (base.window)
+        self._counts: Counts | bool | None = False  # the loader's example counts, looked up at the first step
+        self._said_uncounted = False  # a loader without counts under accumulation_mean=examples: said once
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         require(isinstance(clean_gradients, bool), "clean_gradients", clean_gradients, "true or false")
         self.clean_gradients = clean_gradients
@@ -154,6 +160,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
 
     def teardown(self, stage: str) -> None:
         self._parallelism = None
+        self._counts = False  # another fit, another loader
         if stage == "fit" and self.attached_trainer is not None:
             self.trainer.accumulate_grad_batches = 1  # a Trainer fitted again passes check_trainer again
 
@@ -237,8 +244,54 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         if stepping is None:
             stepping = ends_optimizer_step(self, batch_idx)
         return OptimizerStep(
-            self, optimizer, stepping, components=components, toggle=toggle, batch_done=batch_done, counted=counted
+            self,
+            optimizer,
+            stepping,
+            components=components,
+            toggle=toggle,
+            batch_done=batch_done,
+            counted=counted,
+            window=self.window(batch_idx) if batch_idx is not None and counted else None,
         )
+
+    def window(self, batch_idx: int) -> tuple[Window, int] | None:
+        """The optimizer step training batch ``batch_idx`` belongs to (its micro-batches' examples, on this rank and on
+        every rank) and the batch's place in it, under ``model.accumulation_mean=examples``; None where a step weighs
+        its micro-batches 1/k each (``micro_batches``, or a loader that does not say how many examples its batches
+        hold: said once; `multiloss.base.window`)."""
+        if self.accumulation_mean != "examples" or self.attached_trainer is None:
+            return None
+        counts = self.example_counts()
+        if counts is None:
+            if not self._said_uncounted and (self.accumulate_grad_batches > 1 or self.trainer.world_size > 1):
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                loader = type(getattr(self.trainer, "train_dataloader", None)).__name__
+                rank_zero_warn(
+                    f"model.accumulation_mean=examples: the training loader ({loader}) does not say how many examples "
+                    "its batches hold (no sampler with a length and a batch_size), so each micro-batch of a step "
+                    "weighs 1/k and each rank 1/world size (model.accumulation_mean=micro_batches)"
+                )
+            self._said_uncounted = True
+            return None
+        return window_of(self.trainer, batch_idx, self.accumulate_grad_batches, counts)
+
+    def example_counts(self) -> Counts | None:
+        """The training loader's examples a batch, on this rank and on every rank (`multiloss.base.window`), looked up
+        once a fit; None if it does not say."""
+        if self._counts is False:
+            self._counts = example_counts(self.trainer) if self.attached_trainer is not None else None
+        return self._counts  # type: ignore[return-value]
+
+    def step_examples(self, batch_idx: int, rows: int) -> list[tuple[int, int]]:
+        """The micro-batches of training batch ``batch_idx``'s optimizer step: each one's examples on this rank and on
+        every rank, as the loader says them (``rows`` a micro-batch, alike on every rank, k of them, where it does
+        not: `example_counts`)."""
+        counts = self.example_counts()
+        if counts is None:
+            return [(rows, rows * self.trainer.world_size)] * self.accumulate_grad_batches
+        window, _ = window_of(self.trainer, batch_idx, self.accumulate_grad_batches, counts)
+        return list(window.counts)
 
     def cleaned_gradients(self, optimizer: Any) -> None:
         """``model.clean_gradients``: stylegan2-ada's clean-up before every step (NVlabs/stylegan2-ada-pytorch

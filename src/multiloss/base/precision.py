@@ -51,3 +51,9 @@ def unscale_for_clipping(precision_plugin: Any, optimizer: Any) -> None:
     if scaler is not None:
         # The torch optimizer, not Lightning's wrapper: the scaler keys its per-optimizer state by identity.
         scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
+
+
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 at least: half precision widened for a balancer's or a loss's arithmetic, float64 kept (a
+    ``64-true`` run stays float64 end to end, as its proofs need)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()

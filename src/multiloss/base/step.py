@@ -9,7 +9,10 @@ decides the rest, identically in all five recipes:
 - the gradient sync of the backward inside (DDP's ``no_sync`` / FSDP2's hand-over when it does not step;
   a component held whole under FSDP2 hands its gradients over at the block's end:
   `multiloss.parallel.parallelism`);
-- the division of each micro-batch's loss by k (``loss / k``: k micro-batches of b sum to one batch of k·b);
+- the weight of each micro-batch's mean loss in its step (`multiloss.base.window`, ``model.accumulation_mean``): its
+  examples' share of the step's on every rank (``examples``: W × b × k is one batch of the step's examples on every
+  shape, an epoch's ragged last step included), or ``loss / k`` (``micro_batches``, the plain loop's; on a full
+  window the two are the same to the bit);
 - at the block's end, on a micro-batch that steps: the clean-up (``model.clean_gradients``), clipping
   (``model.gradient_clip_val``), the optimizer's
   step and ``zero_grad(set_to_none=True)``; then, on every micro-batch, the learning-rate schedule (interval
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from multiloss import lightning_internals as internals
+from multiloss.base.window import MEANS, Window
 from multiloss.config import ConfigError, require
 from multiloss.parallel.parallelism import NOTHING
 
@@ -37,10 +41,11 @@ class OptimizerStep:
 
     ``stepping``: whether the step is taken at the block's end; ``components``: the networks whose held-whole
     gradients (FSDP2) this block hands over (None: every one held whole); ``batch_done``: whether the training batch
-    ends with this block (tbptt's last chunk), for an epoch-interval schedule. ``counted=False``: an extra step
-    that is not one of the run's (the GAN's lazy regularization step): taken through the strategy and precision
-    plugin as any step (16-mixed's unscaling and skip), but not counted in ``trainer.global_step`` (so
-    ``trainer.max_steps`` keeps its meaning) and moving no schedule.
+    ends with this block (tbptt's last chunk), for an epoch-interval schedule; ``window``: the step's micro-batches
+    and this block's place among them (`multiloss.base.window`), None for the plain ``loss / k``.
+    ``counted=False``: an extra step that is not one of the run's (the GAN's lazy regularization step): taken
+    through the strategy and precision plugin as any step (16-mixed's unscaling and skip), but not counted in
+    ``trainer.global_step`` (so ``trainer.max_steps`` keeps its meaning) and moving no schedule.
     """
 
     def __init__(
@@ -53,10 +58,12 @@ class OptimizerStep:
         toggle: bool = False,
         batch_done: bool = True,
         counted: bool = True,
+        window: tuple[Window, int] | None = None,
     ) -> None:
         self.recipe, self.optimizer, self.stepping = recipe, optimizer, stepping
         self.components, self.toggle, self.batch_done, self.counted = components, toggle, batch_done, counted
         self.k = recipe.accumulate_grad_batches
+        self.window, self.position = window if window is not None else (None, 0)
         self.parallelism = recipe.parallelism
         self._open: list[Any] = []  # the blocks entered, exited in reverse (a step's few: no ExitStack per step)
 
@@ -81,14 +88,34 @@ class OptimizerStep:
             with self.parallelism.no_sync(active=i < n - 1):
                 yield i
 
+    def micro_batch_weight(self, micro: int | None = None) -> float | None:
+        """What multiplies a mean loss of this block's micro-batch (``micro``: the step's micro-batch ``micro`` instead,
+        the GAN's generator's): its examples' share of the step's (`multiloss.base.window.Window.weight`); None for
+        the plain ``loss / k``."""
+        if self.window is None:
+            return None
+        return self.window.weight(self.position if micro is None else micro)
+
     def backward(
-        self, loss: torch.Tensor, gradient: torch.Tensor | None = None, *, scaled: bool = False, sync: bool = True
+        self,
+        loss: torch.Tensor,
+        gradient: torch.Tensor | None = None,
+        *,
+        scaled: bool = False,
+        sync: bool = True,
+        micro: int | None = None,
     ) -> None:
-        """Backward ``loss`` / k (``scaled``: ``loss`` carries its step's weighting already, nothing divided);
+        """Backward ``loss``, a mean over this micro-batch's examples, weighted in its step (`micro_batch_weight`:
+        its examples' share, or / k); ``scaled``: ``loss`` carries its step's weighting already, nothing applied;
+        ``micro``: the loss is of the step's micro-batch ``micro`` (the GAN's generator's, several in one block);
         ``gradient``: the seed of a vector of losses (``grad_tensors``); ``sync=False``: this backward does not sync
         even on a micro-batch that steps (a later one in the block syncs the sum: the DCGAN's real-then-fake)."""
-        if not scaled and self.k > 1:
-            loss = loss / self.k
+        if not scaled:
+            weight = self.micro_batch_weight(micro)
+            if weight is not None:
+                loss = loss * weight
+            elif self.k > 1:
+                loss = loss / self.k
         kwargs = {} if gradient is None else {"gradient": gradient}
         if sync:
             self.recipe.manual_backward(loss, **kwargs)
@@ -146,8 +173,20 @@ def step_schedules(trainer: Any, optimizer: Any, stepped: bool, batch_done: bool
             config.scheduler.step()
 
 
-def check_step_options(accumulate_grad_batches: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any) -> None:
+def check_step_options(
+    accumulate_grad_batches: Any,
+    gradient_clip_val: Any,
+    gradient_clip_algorithm: Any,
+    accumulation_mean: Any = "examples",
+) -> None:
     """Refuse a step option out of its range, naming its key (``model.<key>`` once Hydra's instantiation adds it)."""
+    require(
+        accumulation_mean in MEANS,
+        "accumulation_mean",
+        accumulation_mean,
+        "examples (every example of a step weighs the same, across its micro-batches and ranks) or micro_batches "
+        "(the plain loop's loss / k: each micro-batch's mean weighs 1/k)",
+    )
     require(
         isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1,
         "accumulate_grad_batches",

@@ -114,6 +114,20 @@ class EpochOrder(Sampler[int]):
             mine = order[(self.rank - len(tail)) % self.n :][:1]
         return torch.cat([whole.reshape(-1), mine])
 
+    def examples(self, batch: int) -> tuple[int, int]:
+        """The examples of the epoch's training batch ``batch`` (Lightning's ``batch_idx``: counted from the epoch's
+        start on this shape, a resume's batches behind it included): this rank's, and every rank's together.
+
+        A rank that repeats one of the epoch's first examples only to take the step (fewer examples left than ranks)
+        has 0 of its own; a batch before this iteration's start (a window begun before a resume) counts as full.
+        """
+        behind = self.batches(0) - self.batches(self.start)
+        begin = self.start + (batch - behind) * self.global_batch
+        if batch < behind or begin + self.global_batch <= self.n or self.drop_last:
+            return self.batch_size, self.global_batch
+        everyone = max(0, self.n - begin)
+        return len(range(self.rank, everyone, self.world_size)), everyone
+
     def __len__(self) -> int:
         # A whole epoch's count on this shape, resumed or not: Lightning counts the epoch's batches from its start
         # (`multiloss.lightning_internals.continue_epoch_at` sets its count of those already trained).

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from multiloss.base.precision import widened
 from multiloss.config import ConfigError
 
 # --- the losses: D's terms (summed into D's loss) and G's loss, from D's scores -----------------------------
@@ -34,7 +35,7 @@ def bce(probabilities: torch.Tensor, label: float) -> torch.Tensor:
     with 1 or 0), outside autocast (BCE on probabilities is not autocast-safe: fp32 here under mixed precision).
     Scores outside [0, 1]: a config error naming ``model.loss`` (a D that returns logits wants ``nonsaturating``)."""
     with torch.autocast(probabilities.device.type, enabled=False):
-        p = probabilities.float()
+        p = widened(probabilities)
         try:
             return F.binary_cross_entropy(p, torch.full_like(p, label))
         except RuntimeError as err:  # torch's own range check: no extra host read a step
