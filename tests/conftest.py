@@ -96,9 +96,13 @@ def run_cli(
     )
 
 
-def run_shell(command: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``command`` pasted into bash as a user would, ``python`` being this interpreter (the project's venv)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
+def run_shell(
+    command: str, cwd: Path = ROOT, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``command`` pasted into bash as a user would, ``python`` being this interpreter (the project's venv); ``env``:
+    variables set or changed (the user's shell, e.g. a ``PYTHONPATH`` that imports their package)."""
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "HYDRA_FULL_ERROR": "0", **(env or {})}
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

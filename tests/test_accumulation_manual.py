@@ -1,16 +1,19 @@
-"""`ManualAccumulation` through the GAN: k micro-batches of b == one batch of k·b, per optimizer step.
+"""The GAN's accumulation: k micro-batches of b == one batch of k·b, per optimizer step, in float64.
 
 Lightning's ``trainer.accumulate_grad_batches`` refuses manual optimization, so the GAN accumulates
-with `multiloss.accumulation.ManualAccumulation` (``model.accumulate_grad_batches``). Both runs
-below are the recipe's real training step under the real Trainer; the gradients are captured just
-before every optimizer step. SGD, so the weights after a step are a function of the gradient alone
-and the later steps compare as exactly as the first.
+through its own step, `multiloss.base.step.OptimizerStep` (``model.accumulate_grad_batches``; each
+micro-batch's mean loss weighted by its share of the step's examples, ``model.accumulation_mean``).
+Both runs below are the recipe's real training step under the real Trainer, in float64
+(``trainer.precision=64-true``); the gradients are captured just before every optimizer step. SGD, so
+the weights after a step are a function of the gradient alone and the later steps compare as exactly
+as the first.
 """
 
 from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from multiloss import testing
@@ -18,6 +21,7 @@ from multiloss.testing import GradientCapture, assert_gradients_close
 from tests.conftest import BARE, SMALL_GAN
 
 G_INDEX, D_INDEX = 0, 1
+EXACT = 1e-10  # float64: equal up to rounding (the sums' order differs), on any CPU
 BASE = (
     "recipe=gan",
     *BARE,
@@ -28,6 +32,7 @@ BASE = (
     "optimizer@model.d_optimizer=sgd",
     "model.g_optimizer.lr=0.05",
     "model.d_optimizer.lr=0.05",
+    "trainer.precision=64-true",
 )
 
 
@@ -61,15 +66,17 @@ def test_k_micro_batches_of_b_equal_one_batch_of_kb(make_cfg, loss):
     # The discriminator's update (and the generator's) from k×b equals the one from k·b, step by step.
     for accumulated, single in zip(micro.steps, whole.steps):
         assert accumulated.keys() == single.keys()
-        assert_gradients_close(accumulated, single, atol=1e-6, rtol=1e-5)
+        assert_gradients_close(accumulated, single, atol=EXACT, rtol=EXACT)
     # Not vacuous: the gradients are not zero, and the weights after three steps of each agree.
     assert sum(g.abs().sum() for g in micro.steps[0].values()) > 0
-    assert_gradients_close(micro_weights, whole_weights, atol=1e-6)
+    assert all(v.dtype == torch.float64 for v in micro_weights.values() if v.is_floating_point())
+    assert_gradients_close(micro_weights, whole_weights, atol=EXACT, rtol=EXACT)
 
 
 def test_accumulated_steps_follow_the_micro_batch_count_and_the_epoch_end(make_cfg):
     """k=4 over 6 batches an epoch: D steps after batch 4 (then G), and after batch 6, the epoch's
-    last (no gradient is carried into the next epoch; no G step, its n_critic·k cycle is incomplete)."""
+    last (no gradient is carried into the next epoch); that short last D step is followed by G's, as
+    one batch of k·b's short last batch is."""
     capture, _ = _run(
         make_cfg,
         "model.accumulate_grad_batches=4",
@@ -77,7 +84,7 @@ def test_accumulated_steps_follow_the_micro_batch_count_and_the_epoch_end(make_c
         "trainer.limit_train_batches=6",
         "trainer.max_epochs=2",
     )
-    assert capture.optimizer_index == [D_INDEX, G_INDEX, D_INDEX] * 2
+    assert capture.optimizer_index == [D_INDEX, G_INDEX, D_INDEX, G_INDEX] * 2
 
 
 def test_trainer_accumulation_is_rejected_naming_the_model_key(make_cfg, tmp_path):

@@ -136,6 +136,29 @@ def test_a_hydra_key_never_comes_from_a_checkpoint(real_run, tmp_path):
         run_overrides([f"ckpt_path={ckpt}", "trust_checkpoint=true"])
 
 
+def test_a_resumed_run_writes_below_the_run_dir_its_command_names(real_run, tmp_path):
+    """A checkpoint whose run's overrides moved where it wrote (``paths.output_dir``, the checkpoint callback's
+    ``dirpath``, the CSV logger's ``save_dir``: all elsewhere): resumed with ``hydra.run.dir=<mine>``, every file the
+    run writes lands below <mine> (checkpoints, metrics, plots), nothing elsewhere, and the command says which
+    overrides it left behind."""
+    elsewhere = tmp_path / "elsewhere"
+    moved = [
+        f"paths.output_dir={elsewhere}",
+        f"callbacks.model_checkpoint.dirpath={elsewhere}/ckpts",
+        f"logger.csv.save_dir={elsewhere}/logs",
+    ]
+    ckpt = _rewritten(real_run, tmp_path / "theirs" / "last.ckpt", moved)
+    args, carried, left = run_overrides([f"ckpt_path={ckpt}"])
+    assert left == moved and not any(o in args for o in moved) and "recipe=multihead" in carried
+    mine = tmp_path / "mine"
+    proc = run_cli(f"ckpt_path={ckpt}", f"hydra.run.dir={mine}", "trainer.max_steps=4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"where its run wrote (this run writes below its own run dir): {' '.join(moved)}" in proc.stdout
+    assert not elsewhere.exists()
+    assert torch.load(mine / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4
+    assert next((mine / "csv").rglob("metrics.csv")).is_file() and (mine / ".hydra").is_dir()
+
+
 def test_config_dirs_a_checkpoint_names_are_used_only_when_this_command_names_them(real_run, tmp_path):
     """A config dir that does not exist here, and one that does with a hostile option file (selected by the stored
     ``net=pwn``): refused until the command line names the dir itself (then its options are yours)."""
@@ -159,7 +182,7 @@ def test_config_dirs_a_checkpoint_names_are_used_only_when_this_command_names_th
             assert not marker.exists() and not out.exists()
     # Named on the command line, the dir is the user's own: its option is used (and would run: here it is checked by
     # the config check, which names the bad net, before anything is built).
-    args, carried = run_overrides(["--config-dir", str(hostile), f"ckpt_path={ckpt}"])
+    args, carried, _ = run_overrides(["--config-dir", str(hostile), f"ckpt_path={ckpt}"])
     assert "net=pwn" in carried and args[:2] == ["--config-dir", str(hostile)]
 
 
@@ -278,7 +301,7 @@ def test_every_kept_checkpoint_passes_with_no_flag(kept):
     """The checkpoints kept from earlier versions (their hyper-parameters name moved module paths) pass every check
     with no flag: their stored overrides on the command path, their hyper-parameters, a sharded one's .metadata."""
     path = KEPT / kept
-    args, _ = run_overrides([f"ckpt_path={path}"])
+    args, _, _ = run_overrides([f"ckpt_path={path}"])
     assert f"ckpt_path={path}" in args
     trust.check_hyper_parameters(path / "meta.pt" if path.is_dir() else path, False, kept)
     if path.is_dir():

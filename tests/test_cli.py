@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import CONFIG_DIR, run_cli, run_shell
+from tests.conftest import CONFIG_DIR, ROOT, run_cli, run_shell
 
 QUICK_CLI = ("print_config=false", "~callbacks.progress_bar", "trainer.enable_progress_bar=false")
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
@@ -177,6 +177,58 @@ def test_other_warnings_still_show():
         silence_known_noise()
         warnings.warn("'set_vital' is deprecated, please do not call", UserWarning, stacklevel=1)
     assert not caught
+
+
+# What a run's command line trusts: a target of the user's own package (a callback of the tests' package that never
+# fires), a config dir of theirs (examples/configs, whose net is mypkg's: importable with PYTHONPATH=examples).
+OWN_TARGET = ("+callbacks.mine._target_=tests.helpers.SignalAt", "+callbacks.mine.step=1000")
+CONFIG_DIR_NET = ("--config-dir", str(ROOT / "examples/configs"), "net=two_head_cnn")
+USERS_SHELL = {"PYTHONPATH": str(ROOT / "examples")}
+TRUSTED = {"own target": OWN_TARGET, "config dir": CONFIG_DIR_NET, "both": (*CONFIG_DIR_NET, *OWN_TARGET)}
+
+
+@pytest.mark.parametrize("kind", list(TRUSTED))
+def test_the_train_on_line_runs_as_printed_with_what_the_command_trusted(tmp_path, kind):
+    """A run whose command line named a target of its own package, a config dir of its own, or both: the ``train on:``
+    line it ends with carries what that command trusted (``trust_checkpoint=[tests]``, ``--config-dir <dir>``), and
+    pasted into the user's shell as it is, it trains on (a ``[...]`` in it is printed as it is, not read as markup)."""
+    run = tmp_path / "run"
+    first = run_cli(
+        *TRUSTED[kind], "recipe=multihead", "trainer.max_steps=2", *QUICK_CLI, f"hydra.run.dir={run}", env=USERS_SHELL
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    line = " ".join(first.stdout.split("; train on: ")[1].split())
+    if kind != "config dir":
+        assert "'trust_checkpoint=[tests]'" in line, line
+    if kind != "own target":
+        assert f"--config-dir {ROOT / 'examples/configs'}" in line, line
+    again = run_shell(line, cwd=tmp_path, env=USERS_SHELL)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = Path(again.stdout.split("multiloss: outputs in ")[1].split(";")[0])
+    assert torch.load(out / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4
+
+
+def test_the_continue_with_line_of_a_stopped_run_runs_as_printed(tmp_path):
+    """A run stopped by a SIGTERM (its own package's callback sends it; its net from its own config dir): the
+    ``continue with:`` line it prints, pasted as it is (the signal's step moved past the run's end), continues it."""
+    run = tmp_path / "run"
+    stop = ("+callbacks.signal._target_=tests.helpers.SignalAt", "+callbacks.signal.step=2")
+    first = run_cli(
+        *CONFIG_DIR_NET,
+        *stop,
+        "recipe=multihead",
+        "trainer.max_steps=4",
+        *QUICK_CLI,
+        f"hydra.run.dir={run}",
+        env=USERS_SHELL,
+    )
+    assert first.returncode == 143, first.stderr[-3000:]
+    (message,) = [line for line in first.stderr.splitlines() if line.startswith("multiloss:")]
+    line = message.split("continue with: ")[1]
+    assert "'trust_checkpoint=[tests]'" in line and f"--config-dir {ROOT / 'examples/configs'}" in line, line
+    done = run_shell(f"{line} +callbacks.signal.step=100 hydra.run.dir={run}", cwd=tmp_path, env=USERS_SHELL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4
 
 
 def test_the_printed_resume_line_resumes_as_printed(tmp_path):

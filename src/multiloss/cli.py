@@ -30,9 +30,14 @@ def train_main() -> None:
 def _continue_with_the_runs_overrides() -> None:
     """``ckpt_path=<a run's checkpoint>``: that run's overrides first (`multiloss.saving.run_dir.run_overrides`),
     said."""
-    sys.argv[1:], carried = _with_the_checkpoints_overrides(sys.argv[1:])
+    sys.argv[1:], carried, left = _with_the_checkpoints_overrides(sys.argv[1:])
     if carried:
         print(f"multiloss: continuing with the checkpoint's run's overrides (yours win): {' '.join(carried)}")
+    if left:
+        print(
+            "multiloss: not carried from the checkpoint, where its run wrote (this run writes below its own run dir): "
+            + " ".join(left)
+        )
 
 
 def _refuse_a_file_as_run_dir(args: list[str]) -> None:
@@ -52,11 +57,11 @@ def eval_main() -> None:
     ``.hydra/overrides.yaml``) come first, so ``recipe=``, ``net=``, ``data=`` need not be repeated;
     what the command line gives wins.
     """
-    sys.argv[1:], _ = _with_the_checkpoints_overrides(sys.argv[1:])
+    sys.argv[1:], _, _ = _with_the_checkpoints_overrides(sys.argv[1:])
     _run_hydra("eval", eval_task)
 
 
-def _with_the_checkpoints_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+def _with_the_checkpoints_overrides(args: list[str]) -> tuple[list[str], list[str], list[str]]:
     """`multiloss.saving.run_dir.run_overrides`, a checkpoint that names what this command does not allow (or cannot
     be read) reported as a config error before Hydra composes or writes anything."""
     from multiloss.config import ConfigError

@@ -25,8 +25,11 @@ from multiloss.nets import MLP
 from multiloss.testing import assert_gradients_close
 from tests.conftest import BARE, SMALL_GAN, load_weights
 from tests.helpers import straight_and_resumed
+from tests.recipes.gan_references import default_dtype
 
 BATCH = 64
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU (the proofs below run in 64-true)
+F64 = ("trainer.precision=64-true",)
 G_INDEX, D_INDEX = 0, 1  # configure_optimizers returns [opt_g, opt_d]
 # Small and quiet: no validation, no artifacts.
 QUICK = (
@@ -126,7 +129,8 @@ def _reference_d_loss(D, real, fake, eps, loss: str, gp_weight: float) -> torch.
     if gp_weight:
         x_hat = eps * real + (1 - eps) * fake
         x_hat.requires_grad_(True)
-        grad_x = torch.autograd.grad(D(x_hat), x_hat, grad_outputs=torch.ones(len(x_hat), 1), create_graph=True)[0]
+        scores = D(x_hat)
+        grad_x = torch.autograd.grad(scores, x_hat, grad_outputs=torch.ones_like(scores), create_graph=True)[0]
         total = total + gp_weight * ((torch.sqrt((grad_x**2).sum(dim=1)) - 1) ** 2).mean()
     return total
 
@@ -138,33 +142,37 @@ def _named_grads(loss: torch.Tensor, net: torch.nn.Module, prefix: str) -> dict[
 
 @pytest.mark.parametrize("loss", [NS, GP], ids=["nonsaturating", "wgan-gp"])
 def test_gradients_equal_plain_pytorch_reference(make_cfg, loss):
+    """In float64 (the run in 64-true, the reference on float64 copies): D's and G's gradients to 1e-10."""
     lr = 0.05
-    snaps, model, cfg = _fit(make_cfg, *loss, *SGD_D, f"model.d_optimizer.lr={lr}", steps=2)
+    snaps, model, cfg = _fit(make_cfg, *loss, *SGD_D, f"model.d_optimizer.lr={lr}", *F64, steps=2)
     d_step, g_step = snaps.steps
-    G, D = copy.deepcopy(model.generator), copy.deepcopy(model.discriminator)
-    real = _first_batch(cfg)
+    G, D = copy.deepcopy(model.generator).double(), copy.deepcopy(model.discriminator).double()
+    real = _first_batch(cfg).double()
     latent = cfg.model.latent_dim
 
-    # The recipe's noise: one row of latent_dim + 1 normals per sample; the last becomes ε = Φ(row).
+    # The recipe's noise: one row of latent_dim + 1 normals per sample; the last becomes ε = Φ(row). In float64,
+    # as the 64-true step draws it (its default dtype float64).
     noise = torch.Generator().manual_seed(cfg.seed)  # the run's seed, which the config passes as noise_seed
-    rows = testing.gan_normals(BATCH, latent + 1, noise)
+    with default_dtype(torch.float64):
+        rows = testing.gan_normals(BATCH, latent + 1, noise)
     z, eps = rows[:, :latent], 0.5 * (1 + torch.erf(rows[:, latent:] / math.sqrt(2)))
     with torch.no_grad():
         fake = G(z)
     gp_weight = cfg.model.penalty_weight if cfg.model.penalty == "gp" else 0.0
     d_loss = _reference_d_loss(D, real, fake, eps, cfg.model.loss, gp_weight)
     d_grads = _named_grads(d_loss, D, "discriminator")
-    assert_gradients_close(_part(d_step["grads"], "discriminator"), d_grads, atol=1e-6)
+    assert_gradients_close(_part(d_step["grads"], "discriminator"), d_grads, atol=EXACT, rtol=EXACT)
 
     # SGD step of D by hand, then G's loss through the updated D, on the next noise.
     with torch.no_grad():
         for p, g in zip(D.parameters(), d_grads.values()):
             p -= lr * g
-    z = testing.gan_normals(BATCH, latent + 1, noise)[:, :latent]
+    with default_dtype(torch.float64):
+        z = testing.gan_normals(BATCH, latent + 1, noise)[:, :latent]
     d_out = D(G(z))
     g_loss = -d_out.mean() if cfg.model.loss == "wgan-gp" else -torch.log(torch.sigmoid(d_out)).mean()
     g_grads = _named_grads(g_loss, G, "generator")
-    assert_gradients_close(_part(g_step["grads"], "generator"), g_grads, atol=1e-6)
+    assert_gradients_close(_part(g_step["grads"], "generator"), g_grads, atol=EXACT, rtol=EXACT)
 
 
 MODERN = {
@@ -180,20 +188,22 @@ def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
     """The public helpers a user proves their own generator/critic with: D's step on the recipe's
     noise == the reference (every loss, every penalty, written from the papers' formulas in
     `multiloss.testing`); then G's step through D after an SGD step by hand == the reference (the
-    relativistic G's paired with the batch D saw)."""
+    relativistic G's paired with the batch D saw). In float64 (the steps in 64-true: the module comes back
+    float64), to 1e-10."""
     lr = 0.05
     cfg = make_cfg(*QUICK, *loss, *SGD_D, f"model.d_optimizer.lr={lr}")
     datamodule, model = testing.build(cfg)
-    d_step, g_step = testing.step_gradients(model, datamodule, steps=2)
-    real = testing.first_batch(datamodule)["x"]
-    (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, BATCH, model.latent_dim, draws=2)
+    d_step, g_step = testing.step_gradients(model, datamodule, steps=2, precision="64-true")
+    real = testing.first_batch(datamodule)["x"].double()
+    with default_dtype(torch.float64):  # the noise as the 64-true step draws it
+        (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, BATCH, model.latent_dim, draws=2)
     with torch.no_grad():
         fake = model.generator(z)
     d_grads = testing.discriminator_gradients(model.discriminator, real, fake, model.loss, model.penalties, eps=eps)
-    testing.assert_gradients_close(d_step, d_grads, atol=1e-6)
+    testing.assert_gradients_close(d_step, d_grads, atol=EXACT, rtol=EXACT)
     stepped_d = testing.sgd_step(model.discriminator, d_grads, lr, prefix="discriminator.")
     g_grads = testing.generator_gradients(model.generator, stepped_d, z_g, model.loss, real=real)
-    testing.assert_gradients_close(g_step, g_grads)
+    testing.assert_gradients_close(g_step, g_grads, atol=EXACT, rtol=EXACT)
 
 
 # --- the gradient penalty's double backward ----------------------------------------------------------
@@ -217,6 +227,9 @@ def test_gradient_penalty_gradient_matches_finite_differences():
     weights = tuple(p.detach().clone().requires_grad_(True) for p in critic.parameters())
     assert penalty(*weights) > 0
     # gradcheck: autograd's gradient w.r.t. every weight (through create_graph=True) vs central differences.
+    # Approximate by nature, in float64: central differences err by h²/6·|f‴| (h = 1e-6: ~1e-13 on this O(1)
+    # penalty, smooth but for LeakyReLU kinks, which no point within h of the weights crosses) plus rounding
+    # 2⁻⁵³·|f|/h ≈ 1e-10: atol 1e-7 (rtol 1e-5 on O(1) entries) is 1000× that bound.
     assert torch.autograd.gradcheck(penalty, weights, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
@@ -230,7 +243,7 @@ def test_gradient_penalty_without_create_graph_gives_the_weights_no_gradient():
     right = gan_penalty("gp", critic, real, fake, eps)
     grads = torch.autograd.grad(right, list(critic.parameters()), allow_unused=True)  # (the output bias: unused)
     assert sum(g.abs().sum() for g in grads if g is not None) > 0  # the real penalty does reach them
-    torch.testing.assert_close(right, flat)  # same value, different gradient
+    torch.testing.assert_close(right, flat, atol=EXACT, rtol=EXACT)  # same value (float64), different gradient
 
 
 # --- the classic pitfalls, on this module ------------------------------------------------------------
@@ -458,6 +471,9 @@ def test_mode_coverage_counts_modes_and_high_quality_share():
     scores = metric.compute()
     # Real data hits every mode, and 1 - exp(-9/2) = 98.9 % of a 2-D Gaussian lies within 3σ.
     assert scores["modes"] == 8
+    # A statistic, not an equality: the share of 4000 draws has standard deviation √(p(1−p)/4000) ≈ 0.0017 for
+    # p = 0.989, so 0.006 is 3.6σ (the draws are seeded: the same points every run; a point that one CPU's
+    # float32 rounding moved across the 3σ circle shifts the share by 1/4000 = 0.00025).
     assert abs(scores["high_quality"] - (1 - math.exp(-4.5))) < 0.006
 
     collapsed = data.centers[[0, 1, 2]].repeat(100, 1) + 0.01 * torch.randn(300, 2)

@@ -273,11 +273,22 @@ def release_lock(path: Path | None) -> None:
 
 # Overrides of a run that never carry over to a command given its checkpoint: its own checkpoint, its dir.
 _NOT_CARRIED = ("ckpt_path", "overwrite", "hydra", "optimized_metric", "trust_checkpoint")
+# Keys that only say where a run writes (its run dir under another name, a callback's or a logger's dir): a command
+# given a checkpoint writes below the run dir it names itself, never where the checkpoint's run wrote.
+_WHERE_IT_WRITES = ("dirpath", "save_dir", "default_root_dir", "output_dir")
 
 
-def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+def moves_outputs(key: str) -> bool:
+    """Whether override ``key`` only moves where a run writes (``paths.*``, a ``dirpath`` / ``save_dir`` /
+    ``default_root_dir``)."""
+    key = key.lstrip("+~")
+    return key.split(".")[0].split("/")[0] == "paths" or key.rpartition(".")[2] in _WHERE_IT_WRITES
+
+
+def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """``args`` (a command line's overrides) preceded by the overrides of the run whose checkpoint ``ckpt_path=``
-    names, for the keys ``args`` leaves unset; and those carried, to say which.
+    names, for the keys ``args`` leaves unset; those carried, to say which; and those left behind because they only
+    moved where that run wrote (`moves_outputs`: this command's run dir is where it writes), to say so.
 
     The run's overrides are the ones its checkpoint stores (or its run dir's ``.hydra/overrides.yaml``), its
     ``--config-dir`` too; ``ckpt_path=last`` is ``<hydra.run.dir>/checkpoints/last.ckpt``. Nothing is added when
@@ -292,12 +303,12 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     try:
         parsed = parser.parse_overrides(given)
     except Exception:  # Hydra reports a malformed override itself, with its own message
-        return list(args), []
+        return list(args), [], []
     keys = {o.key_or_group.lstrip("+~") for o in parsed}
     values = {o.key_or_group.lstrip("+~"): o.value() for o in parsed}
     ckpt = values.get("ckpt_path")
     if not isinstance(ckpt, str) or not ckpt:
-        return list(args), []
+        return list(args), [], []
     if ckpt == "last" and isinstance(run_dir := values.get("hydra.run.dir"), str):
         ckpt = str(last_checkpoint_of(run_dir))
     stored = stored_entries(ckpt)  # one read of the checkpoint for both of its entries
@@ -314,14 +325,16 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     # names the mismatch ("it belongs to another model").
     chosen = {o.key_or_group: o.value() for o in runs if o.key_or_group in ("recipe", "experiment")}
     if any(key in values and values[key] != value for key, value in chosen.items()):
-        return list(args), []
+        return list(args), [], []
     refuse_hydras_own_keys(runs, str(ckpt))
-    training = [
+    theirs = [
         o
         for o in runs
         if o.key_or_group.lstrip("+~") not in keys and o.key_or_group.split(".")[0].split("/")[0] not in _NOT_CARRIED
     ]
+    training = [o for o in theirs if not moves_outputs(o.key_or_group)]
     carried = [o.input_line for o in training if o.input_line]
+    left = [o.input_line for o in theirs if moves_outputs(o.key_or_group) and o.input_line]
     # The run's own option dirs, unless this command line names its own; what the checkpoint names is data, checked
     # before anything of it is used (multiloss.saving.trust): a dir this command names, targets the shipped configs
     # or this command allow.
@@ -330,7 +343,7 @@ def run_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     dirs = check_carried(str(ckpt), training, stored_dirs, args)
     searchpath = [f"hydra.searchpath=[{','.join(dirs)}]"] if dirs else []
     # Hydra's flags first: argparse takes no flag after the overrides have begun.
-    return flags(list(args)) + searchpath + carried + given, carried
+    return flags(list(args)) + searchpath + carried + given, carried, left
 
 
 def stored_entries(ckpt: Path | str) -> dict[str, Any]:

@@ -19,9 +19,10 @@ anything is imported, composed or written:
 
 ``trust_checkpoint=true`` (a checkpoint you would run as code) lifts the first three; ``trust_checkpoint=[mypkg]``
 allows the targets under the named packages. The Hydra keys (``hydra.*``, its callbacks and launcher) never come from
-a checkpoint at all (`multiloss.saving.run_dir`). What stays data and is not policed: the arguments of allowed targets
-(a checkpoint's overrides can still set, say, where the shipped checkpoint callback writes); read the overrides the run
-prints before it continues ("continuing with the checkpoint's run's overrides").
+a checkpoint at all (`multiloss.saving.run_dir`), nor do the keys that only say where a run writes (``paths.*``, a
+``dirpath``, ``save_dir`` or ``default_root_dir``: a resumed run writes below the run dir its own command names). What
+stays data and is not policed: the other arguments of allowed targets; read the overrides the run prints before it
+continues ("continuing with the checkpoint's run's overrides").
 """
 
 from __future__ import annotations
