@@ -23,6 +23,7 @@ import torch
 from hydra.utils import instantiate
 
 from multiloss import testing, train
+from multiloss.config import ConfigError
 from multiloss.testing import GradientCapture
 from tests.conftest import BARE, QUIET, load_weights
 from tests.rank_pool import pooled_train
@@ -188,3 +189,16 @@ def test_two_ranks_stopped_mid_epoch_continue_on_one_with_the_global_batch_as_th
     )
     _, straight = _accumulated(make_cfg, recipe, "1x64")
     _assert_same(_weights(resumed), straight)
+
+
+def test_tbptt_refuses_a_global_batch_of_several_batches(make_cfg, tmp_path):
+    """tbptt accumulates the chunks of a batch (``model.accumulate_grad_batches``), not batches: a global batch of two
+    batches would make k chunks, not k batches — refused by name before anything is written; one batch's is taken."""
+    tiny = ("recipe=tbptt", "model.net.hidden_size=8", "data.seq_len=16", "model.sample_length=2", *BARE)
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*tiny, "data.batch_size=4", "global_batch_size=8", output_dir=tmp_path / "refused"))
+    assert (err.value.key, err.value.value) == ("global_batch_size", 8)
+    assert "chunks" in err.value.message and not (tmp_path / "refused").exists()
+    train(
+        make_cfg(*tiny, "data.batch_size=4", "global_batch_size=4", "trainer.max_steps=2", output_dir=tmp_path / "ok")
+    )

@@ -51,6 +51,7 @@ def test_lightnings_own_keys_are_refused_naming_the_model_key(make_cfg, tmp_path
         ("model.accumulate_grad_batches=0", "model.accumulate_grad_batches"),
         ("model.gradient_clip_val=-1", "model.gradient_clip_val"),
         ("model.gradient_clip_algorithm=l1", "model.gradient_clip_algorithm"),
+        ("model.accumulation_mean=tokens", "model.accumulation_mean"),
     ],
 )
 def test_bad_step_options_name_their_key(make_cfg, tmp_path, recipe, override, key):
