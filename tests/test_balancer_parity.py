@@ -1,4 +1,5 @@
-"""Every balancer method equals its reference: the net after 20 steps on fixed inputs, ≤ 1e-6 (float64).
+"""Every balancer method equals its reference: the net after 20 steps on fixed inputs, float64, equal to rounding
+(`EXACT`: ≤ 1e-10 on any CPU; measured ≤ 3e-16), but for the two whose state src still holds in float32 (`PENDING`).
 
 Our side runs the balancer protocol as the recipes do (`multiloss.testing.balancer_backward`: `balance`, then
 ``Balanced.backward``, and FAMO's after-step update); the reference is the plain loop its authors' code
@@ -26,6 +27,11 @@ pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchj
 
 STEPS, LR = 20, 0.05
 TASKS, BASE = ["a", "b", "c"], [1.0, 2.0, 0.5]
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU (20 steps here end ≤ 4e-15 apart where they are equal)
+
+# Every method's state follows the run's dtype (FAMO's logits and Adam, outside the module tree, cast with the
+# losses; MoCo's λ starts in float64): none is held to a looser bound than EXACT.
+PENDING: dict[str, float] = {}
 
 
 class Net(nn.Module):
@@ -139,7 +145,7 @@ def test_a_scalarization_is_its_reference(name):
     ours = _ours(Scalarized(TASKS, BASE, make()))
     reference = _scalarizer_reference(make)
     print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
-    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-6
+    assert _changed(ours) and _largest_difference(ours, reference) <= PENDING.get(name, EXACT)
 
 
 # --- torchjd's aggregators ---------------------------------------------------------------------------------------
@@ -161,6 +167,8 @@ AGGREGATORS = {
 
 @pytest.mark.parametrize("name", AGGREGATORS)
 def test_an_aggregator_is_torchjds_loop(name):
+    """CAGrad, Nash-MTL and FairGrad solve iteratively (cvxpy's Clarabel, ECOS; scipy's least_squares), but the same
+    solver on the same float64 Gramian on both sides: no solver gap, the same steps (measured 0 for all eleven)."""
     import torchjd.aggregation
 
     from multiloss.balancers import JacobianDescent
@@ -170,7 +178,7 @@ def test_an_aggregator_is_torchjds_loop(name):
     ours = _ours(JacobianDescent(TASKS, BASE, make()))
     reference = _aggregator_reference(make)
     print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
-    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-6
+    assert _changed(ours) and _largest_difference(ours, reference) <= EXACT
 
 
 def test_nash_mtl_on_a_singular_gramian_keeps_its_last_weights_instead_of_crashing():
@@ -281,7 +289,7 @@ def test_a_libmtl_method_is_libmtls_code(name):
     ours = _ours(balancer[name]())
     reference = _libmtl_reference(name)
     print(f"{name}: largest difference {_largest_difference(ours, reference):.2g}")
-    assert _changed(ours) and _largest_difference(ours, reference) <= 1e-6
+    assert _changed(ours) and _largest_difference(ours, reference) <= PENDING.get(name, EXACT)
 
 
 def test_a_stateful_balancer_state_round_trips_through_a_checkpoint_file(tmp_path):
@@ -346,6 +354,19 @@ LOSS_BASED = ["uncertainty", "dwa", "gls", "rlw", "stch", "famo", "imtl_l", "db_
 REP_GRAD = [*GRAMIAN, "nash_mtl", "excess_mtl", "graddrop"]  # every rule on the representation
 DRAWS = ["sdmgrad", "modo"]  # three draws a step
 
+# 2 ranks against 1: the ranks' sums make the tasks' Gramian equal to rounding, not to the bit, and where the rule is an
+# iterative solver that stops at a tolerance, its weights are determined only to that tolerance, not to rounding.
+# (Above, both sides solve the same Gramian to the bit: no gap. FairGrad's least_squares: measured ≤ 2.3e-14 here.)
+SOLVER_GAP = {
+    # Nash-MTL's outer loop stops where α moves less than 1e-6 (or ‖Gα - 1/α‖ < 1e-3), each inner ECOS solve at its
+    # 1e-8 tolerances: α is determined to ~1e-6, so 3 steps × lr 0.05 × 1e-6 × the shared update (norm ≤ 4.3 here,
+    # max_norm 1 on the parameters) ≤ 6.4e-7. Measured 2.3e-11 (parameters), 2.5e-9 (rep_grad).
+    "nash_mtl": 1e-6,
+    # CAGrad's Clarabel stops at its gap tolerances 1e-8: 3 steps × lr 0.05 × 1e-8 × the update (norm ≤ 5.4 here)
+    # ≤ 8e-9. Measured 1.7e-16 (parameters), 1.9e-12 (rep_grad).
+    "cagrad": 1e-7,
+}
+
 
 def _spec(name: str, *overrides: str) -> dict:
     """``balancer=<name>``'s config as the shipped group composes it."""
@@ -360,8 +381,9 @@ def _spec(name: str, *overrides: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
-    """``scope=global`` (and every scalarization): 2 ranks × 16 equal 1 rank × 32 (≤ 1e-6, float64) under DDP, and
-    under FSDP2 for the rules the Gramian serves; ``scope=rank``: FSDP2 held whole equals DDP. Three steps each."""
+    """``scope=global`` (and every scalarization): 2 ranks × 16 equal 1 rank × 32 (float64, `EXACT`; the iterative
+    solvers of `SOLVER_GAP` and `PENDING`'s two at their bounds) under DDP, and under FSDP2 for the rules the Gramian
+    serves; ``scope=rank``: FSDP2 held whole equals DDP. Three steps each."""
     import json
     import os
     import subprocess
@@ -403,7 +425,8 @@ def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
         if layer_steps is not None:
             assert layer_steps == ([3, 3] if name.removesuffix("@rank") in GRAMIAN else [0, 0]), (name, layer_steps)
         for way, difference in ways.items():
-            assert difference <= 1e-6, (name, way, difference)
+            method = name.split("@")[0]
+            assert difference <= SOLVER_GAP.get(method, PENDING.get(method, EXACT)), (name, way, difference)
 
 
 # --- the Gramian layer by layer: the same step as the K gradients, without them --------------------------------------
@@ -412,7 +435,8 @@ def test_every_method_on_two_ranks_ddp_and_fsdp2_in_one_process_group(tmp_path):
 @pytest.mark.parametrize("name", GRAMIAN)
 def test_the_gramian_layer_by_layer_gives_the_step_of_the_task_gradients(name):
     """``gramian: layers`` (the default where the shared layers are Linear) against ``gramian: gradients`` (the K task
-    gradients): the same 20 steps (≤ 1e-6, float64: GradNorm takes its norms in float32 on either path)."""
+    gradients): the same 20 steps, float64, equal to rounding (CAGrad's and FairGrad's solvers on Gramians equal to
+    rounding: measured 0 for all eleven)."""
     from multiloss.balancers.build import build_balancer
 
     def run(gramian: str) -> Net:
@@ -425,4 +449,4 @@ def test_the_gramian_layer_by_layer_gives_the_step_of_the_task_gradients(name):
 
     layers, gradients = run("layers"), run("gradients")
     print(f"{name}: layers vs gradients {_largest_difference(layers, gradients):.2g}")
-    assert _changed(layers) and _largest_difference(layers, gradients) <= 1e-6
+    assert _changed(layers) and _largest_difference(layers, gradients) <= EXACT

@@ -19,6 +19,7 @@ from tests.conftest import BARE, QUIET, load_weights, run_cli
 from tests.helpers import same_state, straight_and_resumed
 
 WEIGHTED = ("recipe=weighted", "model.net.width=32", "data.batch_size=64", *BARE)
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -26,11 +27,13 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 def _first_step(cfg):
-    """The recipe module as it was, the gradients of its first real Trainer step, and that step's batch."""
+    """The recipe module as it was, the gradients of its first real Trainer step, and that step's batch: all float64
+    (the step under ``precision="64-true"``, which casts the module and the batch as the copies here are cast), so a
+    proof on them holds to rounding (`EXACT`)."""
     datamodule, model = testing.build(cfg)
-    before = copy.deepcopy(model)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    return before, grads, testing.first_batch(datamodule)
+    before = copy.deepcopy(model).double()
+    (grads,) = testing.step_gradients(model, datamodule, steps=1, precision="64-true")
+    return before, grads, testing.in_dtype(testing.first_batch(datamodule), torch.float64)
 
 
 def test_fixed_is_the_configured_weights_and_adds_no_state(make_cfg):
@@ -47,51 +50,56 @@ def test_uncertainty_gradients_are_kendalls(make_cfg):
     before, grads, batch = _first_step(cfg)
 
     s = before.balancer.log_variance.detach()
-    c = torch.tensor([t.weight for t in before.tasks.values()])
+    c = torch.tensor([t.weight for t in before.tasks.values()], dtype=torch.float64)
     _, per_task = before.outputs_and_losses(batch)
     losses = torch.stack(list(per_task.values()))
     analytic = c * (1 - torch.exp(-s) * losses.detach())
-    assert torch.allclose(grads["balancer.log_variance"], analytic, atol=1e-6)
+    assert torch.allclose(grads["balancer.log_variance"], analytic, rtol=0, atol=EXACT)
 
     net = dict(before.net.named_parameters())
     expected = torch.autograd.grad((c * torch.exp(-s) * losses).sum(), list(net.values()))
-    assert_gradients_close(
+    assert_gradients_close(  # float64: its defaults are EXACT
         {k: v for k, v in grads.items() if k.startswith("net.")},
         {f"net.{n}": g for n, g in zip(net, expected)},
-        atol=1e-6,
     )
 
 
 def test_uncertainty_settles_where_the_weight_matches_the_loss():
     """The minimum of exp(-s)·L + s over s is at s = log L, whatever L: the paper's fixed point."""
-    balancer = Uncertainty(["a", "b"], [1.0, 1.0])
-    losses = torch.tensor([4.0, 0.25])
+    balancer = Uncertainty(["a", "b"], [1.0, 1.0]).double()
+    losses = torch.tensor([4.0, 0.25], dtype=torch.float64)
     optimizer = torch.optim.SGD(balancer.parameters(), lr=0.2)
     for _ in range(500):
         optimizer.zero_grad()
         balancer.extra(losses).backward()
         optimizer.step()
-    assert torch.allclose(balancer.log_variance.detach(), losses.log(), atol=1e-4)
-    assert torch.allclose(balancer.weights(losses), 1 / losses, atol=1e-4)
+    # A convergence, with a derived bound: the step s ← s - 0.2·(1 - e^-s·L) has slope 1 - 0.2·e^-s·L, in [0.2, 0.95]
+    # while e^-s·L is in [0.25, 4] (it goes monotonically from L to 1), so 500 steps from |s - log L| = 1.4 leave at
+    # most 1.4·0.95^500 ≈ 1e-11 (0.8 a step near log L: far less), then float64 rounding (measured ≤ 1.8e-15).
+    assert torch.allclose(balancer.log_variance.detach(), losses.log(), rtol=0, atol=EXACT)
+    assert torch.allclose(balancer.weights(losses), 1 / losses, rtol=0, atol=EXACT)
 
 
 def test_dwa_is_the_papers_rule_over_epoch_means():
-    balancer = DynamicWeightAverage(["a", "b", "c"], [1.0, 1.0, 10.0], temperature=2.0)
+    balancer = DynamicWeightAverage(["a", "b", "c"], [1.0, 1.0, 10.0], temperature=2.0).double()
     epochs = [
-        [torch.tensor([2.0, 1.0, 0.5]), torch.tensor([4.0, 1.0, 0.3])],  # means 3, 1, 0.4
-        [torch.tensor([1.5, 0.9, 0.4])],
-        [torch.tensor([1.0, 0.8, 0.1])],
+        [[2.0, 1.0, 0.5], [4.0, 1.0, 0.3]],  # means 3, 1, 0.4
+        [[1.5, 0.9, 0.4]],
+        [[1.0, 0.8, 0.1]],
     ]
+    epochs = [[torch.tensor(loss, dtype=torch.float64) for loss in steps] for steps in epochs]
     seen = []
     for epoch, steps in enumerate(epochs):
         balancer.start_epoch(epoch, _identity)
         seen += [balancer.weights(loss).clone() for loss in steps]
-    base = torch.tensor([1.0, 1.0, 10.0])
+    base = torch.tensor([1.0, 1.0, 10.0], dtype=torch.float64)
     assert all(torch.equal(w, base) for w in seen[:3])  # epochs 0 and 1: K·softmax of nothing = 1
-    r = torch.tensor([1.5 / 3.0, 0.9 / 1.0, 0.4 / 0.4])  # the last two epochs' mean-loss ratios
+    r = torch.tensor([1.5 / 3.0, 0.9 / 1.0, 0.4 / 0.4], dtype=torch.float64)  # the last two epochs' mean-loss ratios
     by_hand = 3 * torch.exp(r / 2) / torch.exp(r / 2).sum()
-    assert torch.allclose(seen[3], base * by_hand, atol=1e-6)
-    assert math.isclose(float(dwa_weights(torch.ones(3), torch.ones(3), 2.0).sum()), 3.0)  # equal rates: 1 each
+    # DWA's epoch sums follow the losses' dtype (float64 here): the epoch means are exact to float64's rounding.
+    assert torch.allclose(seen[3], base * by_hand, rtol=EXACT, atol=0)
+    equal = dwa_weights(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 2.0)
+    assert math.isclose(float(equal.sum()), 3.0, rel_tol=0, abs_tol=EXACT)  # equal rates: 1 each
 
 
 def test_dwa_in_the_recipe_follows_the_logged_epoch_means(make_cfg, tmp_path):
@@ -106,6 +114,9 @@ def test_dwa_in_the_recipe_follows_the_logged_epoch_means(make_cfg, tmp_path):
     expected = dwa_weights(torch.tensor(means[0]), torch.tensor(means[1]), 2.0) * torch.tensor([1.0, 1.0, 30.0])
     third = [r for r in rows if int(float(r["epoch"])) == 2]
     for r in third:
+        # Logged values, float32 (the CSV's training rows): each weight logged to 2^-24 relative, and the expected from
+        # the logged float32 losses, summed here in float64 where DWA summed them in float32 (≤ 2^-23 per ratio, as
+        # in the test above: ≤ 1.2e-7 on the weights). rel 1e-5 holds those with a wide margin.
         assert [float(r[f"weight/{t}"]) for t in tasks] == pytest.approx(expected.tolist(), rel=1e-5)
     assert all(float(r["weight/digit"]) == 1.0 for r in rows if int(float(r["epoch"])) < 2)
 
@@ -197,7 +208,8 @@ def test_pcgrad_three_tasks_in_any_order():
         got = pcgrad(torch.tensor(vectors, dtype=torch.float64), orders)
         assert got.tolist() == pytest.approx(_pcgrad_by_hand(vectors, orders), abs=1e-12)
     same = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.3, 1.0]]  # pairwise non-negative: nothing projected
-    assert pcgrad(torch.tensor(same), [[1, 2], [0, 2], [0, 1]]).tolist() == pytest.approx([1.5, 0.8, 1.0])
+    got = pcgrad(torch.tensor(same, dtype=torch.float64), [[1, 2], [0, 2], [0, 1]])
+    assert got.tolist() == pytest.approx([1.5, 0.8, 1.0], abs=1e-12)
 
 
 def test_pcgrad_in_the_recipe_is_the_papers_step(make_cfg):
@@ -212,15 +224,16 @@ def test_pcgrad_in_the_recipe_is_the_papers_step(make_cfg):
         torch.cat([g.reshape(-1) for g in torch.autograd.grad(w * loss, list(trunk.values()), retain_graph=True)])
         for w, loss in zip(c, per_task.values())
     ]
-    by_hand = torch.tensor(_pcgrad_by_hand([v.tolist() for v in per_task_trunk], [[1, 2], [0, 2], [0, 1]]))
+    orders = [[1, 2], [0, 2], [0, 1]]
+    by_hand = torch.tensor(_pcgrad_by_hand([v.tolist() for v in per_task_trunk], orders), dtype=torch.float64)
     got = torch.cat([grads[n].reshape(-1) for n in trunk])
-    assert torch.allclose(got, by_hand.to(got.dtype), atol=1e-6)
+    assert torch.allclose(got, by_hand, rtol=0, atol=EXACT)
     assert not torch.allclose(got, sum(per_task_trunk), atol=1e-6)  # the digits' tasks do conflict at the start
     for name, (task, loss) in zip(before.tasks, per_task.items()):
         head = dict(before.net.heads[task].named_parameters())
         expected = torch.autograd.grad(c[list(before.tasks).index(name)] * loss, list(head.values()), retain_graph=True)
         for (n, _), g in zip(head.items(), expected):
-            assert torch.allclose(grads[f"net.heads.{task}.{n}"], g, atol=1e-6)
+            assert torch.allclose(grads[f"net.heads.{task}.{n}"], g, rtol=0, atol=EXACT)
 
 
 def test_pcgrad_on_named_shared_layers_projects_only_those(make_cfg):
@@ -237,13 +250,14 @@ def test_pcgrad_on_named_shared_layers_projects_only_those(make_cfg):
             for w, loss in zip(c, per_task.values())
         ]
         plain = sum(per_task_layer)
+        orders = [[1, 2], [0, 2], [0, 1]]
         expected = (
-            torch.tensor(_pcgrad_by_hand([v.tolist() for v in per_task_layer], [[1, 2], [0, 2], [0, 1]]))
+            torch.tensor(_pcgrad_by_hand([v.tolist() for v in per_task_layer], orders), dtype=torch.float64)
             if projected
             else plain
         )
         got = torch.cat([grads[n].reshape(-1) for n in layer])
-        assert torch.allclose(got, expected.to(got.dtype), atol=1e-6)
+        assert torch.allclose(got, expected, rtol=0, atol=EXACT)
         assert projected != torch.allclose(got, plain, atol=1e-6)  # the tasks conflict on that layer
 
 
@@ -280,7 +294,7 @@ def test_jacobian_descent_is_torchjds_aggregation_of_the_trunk_jacobian(make_cfg
     )
     expected = {"upgrad": UPGrad, "mgda": exact_mgda}[name]()(jacobian)
     got = torch.cat([grads[n].reshape(-1) for n in trunk])
-    assert torch.allclose(got, expected, atol=1e-6)
+    assert torch.allclose(got, expected, rtol=0, atol=EXACT)  # quadprog on both sides: exact to rounding
     # (No "conflicts with no task" here: with rows 100-fold apart in norm, torchjd's regularised
     # solve returns updates at cosine -0.18 to the small tasks; shown on a conditioned problem below.)
 
@@ -297,7 +311,9 @@ def test_jacobian_descent_conflicts_with_no_task_on_two_quadratics(aggregator):
     losses = [((w - a) ** 2).sum(), ((w - b) ** 2).sum()]  # gradients -2a, -2b: cosine < 0
     balancer = JacobianDescent(["a", "b"], [1.0, 1.0], getattr(torchjd.aggregation, aggregator)())
     balancer.surrogate(losses, [w]).backward()
-    assert torch.allclose(w.grad, getattr(torchjd.aggregation, aggregator)()(torch.stack([-2 * a, -2 * b])))
+    # The same aggregator on the same Jacobian (MGDA's Frank-Wolfe included: the same iterations on both sides).
+    expected = getattr(torchjd.aggregation, aggregator)()(torch.stack([-2 * a, -2 * b]))
+    assert torch.allclose(w.grad, expected, rtol=0, atol=EXACT)
     assert (torch.stack([-2 * a, -2 * b]) @ w.grad >= -1e-9).all()
 
 
@@ -317,8 +333,8 @@ def test_mgda_is_the_exact_minimum_norm_point_where_torchjds_tolerance_stops_sho
     d = exact_mgda()(jacobian)
     gram = jacobian @ jacobian.T
     alpha = MinNormWeighting()(gram)
-    assert alpha.min() >= 0 and alpha.sum() == pytest.approx(1.0)
-    assert torch.allclose(alpha @ jacobian, d)
+    assert alpha.min() >= 0 and alpha.sum() == pytest.approx(1.0, rel=0, abs=EXACT)  # quadprog: Σα = 1 to rounding
+    assert torch.allclose(alpha @ jacobian, d, rtol=0, atol=EXACT)
     slack = (jacobian @ d - d @ d) / (d @ d)
     assert slack.min() >= -1e-10, slack  # no task's gradient falls below the point: it is the minimum
     assert slack[alpha > 1e-9].abs().max() <= 1e-10, slack
@@ -384,16 +400,20 @@ def test_a_balancer_trains_from_the_shell(tmp_path):
 def test_multihead_uncertainty_gradients_are_kendalls_and_the_balancer_reloads(make_cfg, tmp_path):
     cfg = make_cfg(*MULTIHEAD, "balancer=uncertainty", "model.balancer.init_log_variance=[0.4,-0.2,0.9]")
     before, grads, batch = _first_step(cfg)
-    before.check_components(batch)  # multihead makes its balancer once the check has counted the heads
+    from lightning.pytorch.plugins.precision import DoublePrecision
+
+    # Multihead makes its balancer once the check has counted the heads; under 64-true the check runs in float64 (the
+    # default dtype there), so the balancer is made in it: its init_log_variance exact in float64, not from float32.
+    with DoublePrecision().forward_context():
+        before.check_components(batch)
     s = before.balancer.log_variance.detach()
     losses = torch.stack([torch.nn.functional.cross_entropy(o, batch["y"]) for o in before.net(batch["x"])])
-    assert torch.allclose(grads["balancer.log_variance"], 1 - torch.exp(-s) * losses.detach(), atol=1e-6)
+    assert torch.allclose(grads["balancer.log_variance"], 1 - torch.exp(-s) * losses.detach(), rtol=0, atol=EXACT)
     net = dict(before.net.named_parameters())
     expected = torch.autograd.grad((torch.exp(-s) * losses).sum(), list(net.values()))
-    assert_gradients_close(
+    assert_gradients_close(  # float64: its defaults are EXACT
         {k: v for k, v in grads.items() if k.startswith("net.")},
         {f"net.{n}": g for n, g in zip(net, expected)},
-        atol=1e-6,
     )
     # A checkpoint carries the balancer, and loads with no argument (the heads come from it).
     out = tmp_path / "run"
@@ -435,17 +455,17 @@ def test_gradnorm_weight_update_is_the_gradient_of_its_loss(make_cfg, shared, la
         ]
     )
     # Σ|Gᵢ - Ḡ| with G = w·norms, differentiated by hand at w = 1 (Ḡ held constant, as in the paper).
-    assert torch.allclose(grads["balancer.task_weight"], torch.sign(norms - norms.mean()) * norms, atol=1e-5)
+    expected_weights = torch.sign(norms - norms.mean()) * norms
+    assert torch.allclose(grads["balancer.task_weight"], expected_weights, rtol=0, atol=EXACT)
     expected = dict(
         zip(
             dict(before.net.named_parameters()),
             torch.autograd.grad(sum(w * loss for w, loss in zip(c, per_task.values())), list(before.net.parameters())),
         )
     )
-    assert_gradients_close(
+    assert_gradients_close(  # float64: its defaults are EXACT
         {k: v for k, v in grads.items() if k.startswith("net.")},
         {f"net.{n}": g for n, g in expected.items()},
-        atol=1e-5,
     )
 
 
@@ -454,13 +474,14 @@ def test_gradnorm_keeps_its_weights_positive():
     before the renormalisation: no task's gradient is ever turned around."""
     from multiloss.balancers import GradNorm
 
-    balancer = GradNorm(["a", "b", "c"], [1.0, 1.0, 1.0], min_weight=1e-3)
+    balancer = GradNorm(["a", "b", "c"], [1.0, 1.0, 1.0], min_weight=1e-3).double()
     with torch.no_grad():
-        balancer.task_weight.copy_(torch.tensor([-0.7, 2.2, 1.5]))  # after an SGD step that overshot
-    weights = balancer.weights(torch.ones(3))
+        # After an SGD step that overshot.
+        balancer.task_weight.copy_(torch.tensor([-0.7, 2.2, 1.5], dtype=torch.float64))
+    weights = balancer.weights(torch.ones(3, dtype=torch.float64))
     assert (weights > 0).all(), weights
-    assert weights.sum() == pytest.approx(3.0)
-    assert weights[0] == pytest.approx(3 * 1e-3 / (1e-3 + 2.2 + 1.5))
+    assert weights.sum() == pytest.approx(3.0, rel=0, abs=EXACT)
+    assert weights[0] == pytest.approx(3 * 1e-3 / (1e-3 + 2.2 + 1.5), rel=0, abs=EXACT)
     with pytest.raises(ConfigError, match="min_weight"):
         GradNorm(["a", "b"], [1.0, 1.0], min_weight=0)
 
@@ -485,6 +506,8 @@ def test_gradnorm_weights_stay_positive_under_a_large_learning_rate(make_cfg, tm
     weights = [[float(r[f"weight/{t}"]) for t in ("digit", "parity", "ink")] for r in rows]
     assert min(min(w) for w in weights) > 0, weights
     assert min(min(w) for w in weights) < 0.01, weights  # the rule did push one to the floor
+    # Logged values, float32 (the CSV's training rows): three weights near 1 rounded to 2^-24 relative each, so their
+    # sum is 3 to ≤ 3 × 1.2e-7 = 3.6e-7 (after the float32 renormalisation's own few ulps): abs 1e-5 holds it.
     assert [sum(w) for w in weights] == pytest.approx([3.0] * len(rows), abs=1e-5)
 
 
@@ -503,7 +526,7 @@ def test_gradnorm_keeps_its_weights_summing_to_the_task_count(make_cfg, tmp_path
     )
     rows = [r for r in csv.DictReader(next(out.rglob("metrics.csv")).open()) if r.get("weight/digit")]
     sums = [sum(float(r[f"weight/{t}"]) for t in ("digit", "parity", "ink")) for r in rows]
-    assert sums == pytest.approx([3.0] * len(rows), abs=1e-5)
+    assert sums == pytest.approx([3.0] * len(rows), abs=1e-5)  # logged float32: ≤ 3.6e-7, as in the test above
     assert len({r["weight/ink"] for r in rows}) > 1  # and they move
 
 
@@ -554,10 +577,10 @@ def test_each_gradient_rule_from_the_gramian_alone_equals_the_rule_on_the_gradie
         got[id(p)] = got.get(id(p), 0) + rule.own[task] * g
     assert grads.shared and len(got) == len(params)
     for p in params:
-        assert torch.allclose(got[id(p)], expected[id(p)], atol=1e-12)
+        assert torch.allclose(got[id(p)], expected[id(p)], rtol=0, atol=EXACT)
     if rule.extra is not None:  # GradNorm's weights: the same gradient from the Gramian's diagonal
         rule.extra.backward()
-        assert torch.allclose(on_gramian.task_weight.grad, on_gradients.task_weight.grad, atol=1e-12)
+        assert torch.allclose(on_gramian.task_weight.grad, on_gradients.task_weight.grad, rtol=0, atol=EXACT)
 
 
 @pytest.mark.parametrize(

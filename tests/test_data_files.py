@@ -2,8 +2,8 @@
 
 The proofs train on the shipped digits written in each layout (`multiloss.data.export`) and compare with
 ``data=digits``: the same examples, split and batches give the same weights to the bit. Then what a loader must
-keep — workers and an exact mid-epoch resume, 2 ranks × b = 1 rank × 2b — and bad data, named, before training
-where a listing finds it, else at the batch that meets it with the checkpoints kept.
+keep — workers and an exact mid-epoch resume, 2 ranks × b = 1 rank × 2b (in float64, to `EXACT`) — and bad data,
+named, before training where a listing finds it, else at the batch that meets it with the checkpoints kept.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ RUN = ("~callbacks.loss_curves", "trainer=cpu", "trainer.num_sanity_val_steps=0"
 QUIET_RUN = (*QUIET, *RUN)
 # The digits' levels back to x / 16 from images that hold them × 15: 0..255 onto [0, 255/240].
 AS_DIGITS = ("data.channels=1", "data.value_range=[0,1.0625]", "data.flatten=true")
+F64 = "trainer.precision=64-true"  # the proofs' runs: module and batches in float64
+EXACT = 1e-10  # float64: equal up to rounding (four steps' stays near 1e-15), on any CPU
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +383,7 @@ def test_multiloss_eval_scores_a_layouts_validation_and_test_sets(
             "trainer.max_epochs=1",
             "trainer.max_steps=-1",
             "trainer.limit_train_batches=6",
+            F64,
             output_dir=tmp_path / "train",
         )
     )
@@ -388,8 +391,10 @@ def test_multiloss_eval_scores_a_layouts_validation_and_test_sets(
     cfg = compose(
         *with_training_overrides([f"ckpt_path={ckpt}", *QUIET]), config_name="eval", output_dir=tmp_path / "e"
     )
+    assert cfg.trainer.precision == "64-true"  # from the run's overrides
     metrics = evaluate(cfg)
-    assert metrics[f"val/{metric}"] == pytest.approx(trained[f"val/{metric}"], abs=1e-6)
+    # The run's last validation again, bit for bit: the same float64 weights, data and arithmetic, in one process.
+    assert metrics[f"val/{metric}"] == trained[f"val/{metric}"]
     assert f"test/{metric}" in metrics
 
 
@@ -408,11 +413,13 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, layouts, layout
         "data.shuffle=false",
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
+        F64,  # FSDP2 too (its DoublePrecision as a plugin, src/multiloss/builders.py)
     )
     quiet = (*QUIET, "~callbacks.loss_curves")
     two = pooled_train(tmp_path / "two", *quiet, *common, f"trainer={trainer}", "data.batch_size=16", cwd=tmp_path)
     one = train_here(tmp_path / "one", *quiet, *common, "trainer=cpu", "data.batch_size=32")
-    assert_same_weights(two, one, atol=1e-6)
+    assert {w.dtype for w in load_weights(one / "checkpoints/last.ckpt").values()} == {torch.float64}
+    assert_same_weights(two, one, atol=EXACT)
 
 
 def test_the_docs_layout_lines_run_as_written(tmp_path):

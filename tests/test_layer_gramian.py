@@ -21,6 +21,7 @@ from multiloss.testing import balancer_backward
 pytestmark = pytest.mark.skipif(find_spec("torchjd") is None, reason="the torchjd extra is not installed")
 
 TASKS, BASE, STEPS = ["a", "b", "c"], [1.0, 2.0, 0.5], 5
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU
 
 
 class Residual(nn.Module):
@@ -165,7 +166,9 @@ def test_the_gramian_segment_by_segment_on_conv_residual_and_recurrent_trunks_is
         "gradients": (0, 0, STEPS),
     }[WAY[kind]]
     assert _largest_difference(segments, Net(kind).double()) > 1e-3  # it trained
-    assert _largest_difference(segments, gradients) <= 1e-9, (kind, name)
+    # Float64, equal to rounding: measured ≤ 2.2e-16, and 3.9e-15 for CAGrad (mlp_batch_norm), whose solver (cvxpy's
+    # Clarabel) runs on both sides on Gramians equal to rounding: the same solve, no solver gap.
+    assert _largest_difference(segments, gradients) <= EXACT, (kind, name)
     trunk, k = sum(p.numel() for p in segments.trunk.parameters()), len(TASKS)
     # Never more held than the K gradients (and the trunk's output's K gradients); carried, less.
     assert layers.held <= k * (trunk + 12 * 16)

@@ -4,16 +4,19 @@ Each example trains through ``python train.py --config-dir examples/configs ...`
 from a shell), writes a checkpoint that loads with ``weights_only=True`` and rebuilds with
 ``<Recipe>.load_from_checkpoint(path, trust_checkpoint=["mypkg"])`` (a checkpoint is data: its package allowed by
 name), and has its gradients proven with `multiloss.testing`
-against a plain-PyTorch reference on the user's own network.
+against a plain-PyTorch reference on the user's own network: in float64 (``precision="64-true"``, the batches cast as
+the Trainer casts them), to `EXACT`, on any CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,6 +68,8 @@ RECIPES = {
     "tbptt": TruncatedBPTT,
     "accumulation": Accumulation,
 }
+EXACT = 1e-10  # float64: equal up to rounding (a few steps' stays near 1e-15), on any CPU
+F64 = {"precision": "64-true"}  # the proofs' Trainer (step_gradients): the module and every floating input in float64
 SHORT = (
     "trainer.max_epochs=1",
     "trainer.limit_train_batches=8",
@@ -121,20 +126,39 @@ def _build(name: str, data: dict[str, Path], *overrides: str):
     return cfg, *testing.build(cfg)
 
 
+def _float64(batch: dict) -> dict:
+    """A batch as a ``64-true`` step sees it: its floating tensors in float64 (ids and labels as they are)."""
+    return testing.in_dtype(batch, torch.float64)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """The default dtype a ``64-true`` step runs under (Lightning's DoublePrecision sets float64)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_cnn_multihead_summed_backward_equals_per_head_backwards(data):
     _, datamodule, module = _build("cnn_multihead", data)
-    (grads,) = testing.step_gradients(module, datamodule)
-    batch = testing.first_batch(datamodule)
-    testing.assert_gradients_close(grads, testing.per_head_gradients(module.net, batch))
+    (grads,) = testing.step_gradients(module, datamodule, **F64)
+    batch = _float64(testing.first_batch(datamodule))
+    assert grads["net.conv1.0.weight"].dtype == torch.float64
+    testing.assert_gradients_close(grads, testing.per_head_gradients(module.net, batch), atol=EXACT, rtol=EXACT)
 
 
 def test_shapes_weighted_backward_equals_weighted_sum(data):
     _, datamodule, module = _build("shapes_weighted", data, "model.tasks.big.weight=0.5")
-    (grads,) = testing.step_gradients(module, datamodule)
-    batch = testing.first_batch(datamodule)
-    expected = testing.weighted_sum_gradients(module.net, batch, module.tasks)
-    testing.assert_gradients_close(grads, expected)
-    assert grads["net.area.weight"].abs().sum() > 0 and batch["big"].dtype == torch.float32
+    (grads,) = testing.step_gradients(module, datamodule, **F64)
+    served = testing.first_batch(datamodule)
+    assert served["big"].dtype == torch.float32  # the data serves float32; the 64-true step casts it
+    # The weights (1, 0.5, 10) are exact in float32 too: the recipe's float32-made weight buffer holds them exactly.
+    expected = testing.weighted_sum_gradients(module.net, _float64(served), module.tasks)
+    testing.assert_gradients_close(grads, expected, atol=EXACT, rtol=EXACT)
+    assert grads["net.area.weight"].abs().sum() > 0
 
 
 def test_a_gradient_balancer_finds_the_layers_the_users_heads_share(data):
@@ -142,9 +166,9 @@ def test_a_gradient_balancer_finds_the_layers_the_users_heads_share(data):
     so conv1 is all the heads share, and the norms Gᵢ are taken there. First step (w = 1): the task
     weights' gradient is sign(Gᵢ - Ḡ)·Gᵢ with Gᵢ = ‖∇_conv1 Lᵢ‖ (Chen et al. 2018), the net's Σ ∇Lᵢ."""
     _, datamodule, module = _build("cnn_multihead", data, "balancer=gradnorm")
-    before = copy.deepcopy(module)
-    (grads,) = testing.step_gradients(module, datamodule)
-    batch = testing.first_batch(datamodule)
+    before = copy.deepcopy(module).double()  # the step's float64 weights
+    (grads,) = testing.step_gradients(module, datamodule, **F64)
+    batch = _float64(testing.first_batch(datamodule))
     losses = [F.cross_entropy(out, batch["y"]) for out in before.net(batch["x"])]
 
     def norm(loss, layer):
@@ -154,12 +178,15 @@ def test_a_gradient_balancer_finds_the_layers_the_users_heads_share(data):
 
     shared = torch.stack([norm(loss, before.net.conv1) for loss in losses])
     torch.testing.assert_close(
-        grads["balancer.task_weight"], torch.sign(shared - shared.mean()) * shared, atol=1e-6, rtol=0
+        grads["balancer.task_weight"], torch.sign(shared - shared.mean()) * shared, atol=EXACT, rtol=EXACT
     )
     # Not the whole body: conv2 (the final head's alone) would add to that head's norm.
     assert norm(losses[1], before.net.conv2) > 1e-3
     testing.assert_gradients_close(
-        {k: v for k, v in grads.items() if k.startswith("net.")}, testing.per_head_gradients(before.net, batch)
+        {k: v for k, v in grads.items() if k.startswith("net.")},
+        testing.per_head_gradients(before.net, batch),
+        atol=EXACT,
+        rtol=EXACT,
     )
 
 
@@ -174,16 +201,20 @@ def test_residual_gan_steps_equal_the_references(data, loss):
         "optimizer@model.d_optimizer=sgd",
         f"model.d_optimizer.lr={lr}",
         "data.batch_size=64",
+        # No epoch-end sample plot: it has no part in the steps.
+        "model.n_plot_samples=0",
     )
-    d_step, g_step = testing.step_gradients(module, datamodule, steps=2)
-    real = testing.first_batch(datamodule)["x"]
-    (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, len(real), module.latent_dim, draws=2)
+    d_step, g_step = testing.step_gradients(module, datamodule, steps=2, **F64)
+    real = _float64(testing.first_batch(datamodule))["x"]
+    with _default_dtype(torch.float64):  # the recipe's noise in the dtype the 64-true step draws it in
+        (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, len(real), module.latent_dim, draws=2)
     with torch.no_grad():
         fake = module.generator(z)
     d_grads = testing.discriminator_gradients(module.discriminator, real, fake, loss, module.penalties, eps=eps)
-    testing.assert_gradients_close(d_step, d_grads)
+    testing.assert_gradients_close(d_step, d_grads, atol=EXACT, rtol=EXACT)
     stepped = testing.sgd_step(module.discriminator, d_grads, lr, prefix="discriminator.")
-    testing.assert_gradients_close(g_step, testing.generator_gradients(module.generator, stepped, z_g, loss))
+    g_grads = testing.generator_gradients(module.generator, stepped, z_g, loss)
+    testing.assert_gradients_close(g_step, g_grads, atol=EXACT, rtol=EXACT)
 
 
 @pytest.mark.parametrize(("chunk", "every"), [(16, 1), (16, 2), (64, 1)])
@@ -199,24 +230,26 @@ def test_gru_tbptt_equals_the_detach_loop(data, chunk, every):
         f"model.accumulate_grad_batches={every}",
     )
     n_steps = -(-(64 // chunk) // every)
-    captured = testing.step_gradients(module, datamodule, steps=n_steps)
-    batch = testing.first_batch(datamodule)
+    captured = testing.step_gradients(module, datamodule, steps=n_steps, **F64)
+    batch = testing.first_batch(datamodule)  # token ids: nothing to cast
     reference = testing.tbptt_gradients(module.net, batch, chunk, lr=lr, every=every)
     assert len(captured) == len(reference) == n_steps
     for got, want in zip(captured, reference):
-        testing.assert_gradients_close(got, want)
+        testing.assert_gradients_close(got, want, atol=EXACT, rtol=EXACT)
     if chunk == 64:  # one chunk of the whole sequence: full BPTT
-        testing.assert_gradients_close(captured[0], testing.full_bptt_gradients(module.net, batch))
+        full = testing.full_bptt_gradients(module.net, batch)
+        testing.assert_gradients_close(captured[0], full, atol=EXACT, rtol=EXACT)
 
 
 def test_moons_accumulation_equals_one_big_batch(data):
     _, datamodule, module = _build("moons_accumulation", data, "model.accumulate_grad_batches=4")
-    (grads,) = testing.step_gradients(module, datamodule)
+    (grads,) = testing.step_gradients(module, datamodule, **F64)
     datamodule.setup("fit")
-    micro = [batch for batch, _ in zip(datamodule.train_dataloader(), range(4))]
+    micro = [_float64(batch) for batch, _ in zip(datamodule.train_dataloader(), range(4))]
     whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
-    testing.assert_gradients_close(grads, testing.accumulated_gradients(module.net, micro))
-    testing.assert_gradients_close(grads, testing.one_batch_gradients(module.net, whole))
+    accumulated = testing.accumulated_gradients(module.net, micro)
+    testing.assert_gradients_close(grads, accumulated, atol=EXACT, rtol=EXACT)
+    testing.assert_gradients_close(grads, testing.one_batch_gradients(module.net, whole), atol=EXACT, rtol=EXACT)
 
 
 def test_resume_with_user_components_is_exact(data, tmp_path):
@@ -326,11 +359,14 @@ def test_the_word_lm_steps_are_the_scripts_steps():
     )
     datamodule, module = testing.build(cfg)
     steps = 6
-    captured = testing.step_gradients(module, datamodule, steps=steps)
+    captured = testing.step_gradients(module, datamodule, steps=steps, **F64)
     reference = testing.stream_gradients(module.net, datamodule.train_ids, 20, 35, 35, lr=20.0, steps=steps, clip=0.25)
     assert len(captured) == len(reference) == steps
     for got, want in zip(captured, reference):
-        testing.assert_gradients_close(got, want, atol=1e-6)
-    norms = [torch.cat([g.flatten() for g in step.values()]).norm() for step in captured]
-    # The clip acted (here on steps 3 and 4, whose gradients were longer), and no step went beyond it.
-    assert all(n <= 0.25 + 1e-5 for n in norms) and any(n == pytest.approx(0.25, rel=1e-4) for n in norms)
+        testing.assert_gradients_close(got, want, atol=EXACT, rtol=EXACT)
+    norms = [float(torch.cat([g.flatten() for g in step.values()]).norm()) for step in captured]
+    # The clip acted (here on steps 3 and 4, whose gradients were longer), and no step went beyond it. clip_grad_norm_
+    # scales a gradient of norm N > 0.25 by 0.25 / (N + 1e-6): to 0.25·N/(N + 1e-6), short of 0.25 by less than
+    # 1e-6 / 0.25 = 4e-6 of it (float64's rounding adds ~1e-16).
+    assert all(n <= 0.25 * (1 + EXACT) for n in norms)
+    assert any(n == pytest.approx(0.25, rel=4e-6 + EXACT) for n in norms)

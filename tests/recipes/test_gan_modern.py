@@ -32,9 +32,11 @@ from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
 from tests.conftest import BARE, SMALL_GAN, load_checkpoint, load_weights
 from tests.helpers import straight_and_resumed
+from tests.recipes.gan_references import default_dtype
 from tests.recipes.test_gan_stylegan2_ada import stylegan_ema_update
 
 BATCH = 64
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU (the proofs below run in 64-true, or on float64 copies)
 LAZY = (
     "recipe=gan",
     *BARE,
@@ -112,27 +114,30 @@ def _stylegan_lazy_r1_loop(G, D, reals, noise, g_opt, d_opt, gamma: float, inter
 
 
 def test_lazy_r1_equals_stylegan2_adas_phases(make_cfg):
-    """9 iterations (R1 phases at 0, 4 and 8) of the recipe == the reference loop, to 1e-6; the lazy steps are
-    not counted in ``trainer.global_step`` (9 D + 9 G) though 11 D steps were taken."""
+    """9 iterations (R1 phases at 0, 4 and 8) of the recipe == the reference loop, in float64 to 1e-10; the lazy
+    steps are not counted in ``trainer.global_step`` (9 D + 9 G) though 11 D steps were taken."""
     iterations = 9
-    cfg = make_cfg(*LAZY, f"trainer.max_steps={2 * iterations}")
+    cfg = make_cfg(*LAZY, f"trainer.max_steps={2 * iterations}", "trainer.precision=64-true")
     check_config(cfg)
     L.seed_everything(cfg.seed)
     datamodule, model = testing.build(cfg)
-    G, D = copy.deepcopy(model.generator), copy.deepcopy(model.discriminator)
+    G, D = copy.deepcopy(model.generator).double(), copy.deepcopy(model.discriminator).double()
     record = Record()
     trainer = instantiate(cfg.trainer, callbacks=[record], logger=False, enable_checkpointing=False)
     trainer.fit(model, datamodule=datamodule)
     assert trainer.global_step == 2 * iterations and record.steps_taken == 2 * iterations + 3
     assert len(record.reals) == iterations and model.d_steps == iterations
 
-    noise = testing.gan_noise(cfg.seed, BATCH, cfg.model.latent_dim, draws=2 * iterations)
+    with default_dtype(torch.float64):  # the noise as the 64-true step draws it
+        noise = testing.gan_noise(cfg.seed, BATCH, cfg.model.latent_dim, draws=2 * iterations)
+    reals = [real.double() for real in record.reals]
     _stylegan_lazy_r1_loop(
-        G, D, record.reals, noise, cfg.model.g_optimizer, cfg.model.d_optimizer, cfg.model.penalty_weight, 4
+        G, D, reals, noise, cfg.model.g_optimizer, cfg.model.d_optimizer, cfg.model.penalty_weight, 4
     )
     for ours, ref in ((model.generator, G), (model.discriminator, D)):
         for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=name)
+            assert p.dtype == q.dtype == torch.float64
+            torch.testing.assert_close(p.detach(), q.detach(), atol=EXACT, rtol=0, msg=name)
     # D's Adam corrected once, from the configured rate: lr × 4/5, betas ** (4/5).
     opt_d = trainer.optimizers[1]
     assert opt_d.param_groups[0]["lr"] == pytest.approx(cfg.model.d_optimizer.lr * 0.8)
@@ -447,7 +452,8 @@ def test_ada_r_t_counts_the_lazy_r1_steps_reals(make_cfg, tmp_path):
 def test_a_penalty_every_step_differentiates_the_scores_the_loss_saw(make_cfg, kind):
     """R1 (R2) every step, D's inputs augmented: D scores the reals and the fakes once each (stylegan2-ada's
     ``Dboth`` phase, R3GAN's step), and the penalty is ½·E‖∇ₓD(aug(x))‖² at the very augmentation draw its loss
-    terms scored — the noise stream moves by the two batches' draws, not by a third for the penalty."""
+    terms scored — the noise stream moves by the two batches' draws, not by a third for the penalty. In float64 (the
+    module, the samples and, as in a 64-true step, the default dtype the draws come out in), to 1e-10."""
     cfg = make_cfg(
         *(o for o in ADA if "penalty" not in o and "augment" not in o),
         f"model.penalty={kind}",
@@ -455,21 +461,23 @@ def test_a_penalty_every_step_differentiates_the_scores_the_loss_saw(make_cfg, k
         "+model.augment.policy=[color,translation,cutout]",
     )
     _, model = testing.build(cfg)
-    model.augment.set_sample_shape((64,))
-    real, fake = torch.rand(16, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1, torch.randn(16, 64)
-    stream = torch.Generator().set_state(model._noise_generator().get_state())
-    losses = model.discriminator_losses(real, fake)
+    model.double().augment.set_sample_shape((64,))
+    with default_dtype(torch.float64):
+        real, fake = torch.rand(16, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1, torch.randn(16, 64)
+        stream = torch.Generator().set_state(model._noise_generator().get_state())
+        losses = model.discriminator_losses(real, fake)
 
-    u_real, u_fake = (torch.special.ndtr(testing.gan_normals(16, model.augment.draws, stream)) for _ in "rf")
-    assert torch.equal(stream.get_state(), model._noise_generator().get_state())
-    x = (real if kind == "r1" else fake).clone().requires_grad_(True)
-    d_real = model.discriminator(model.augment(x if kind == "r1" else real, u_real))
-    d_fake = model.discriminator(model.augment(x if kind == "r2" else fake, u_fake))
-    (grad,) = torch.autograd.grad((d_real if kind == "r1" else d_fake).sum(), x)
+        u_real, u_fake = (torch.special.ndtr(testing.gan_normals(16, model.augment.draws, stream)) for _ in "rf")
+        assert torch.equal(stream.get_state(), model._noise_generator().get_state())
+        x = (real if kind == "r1" else fake).clone().requires_grad_(True)
+        d_real = model.discriminator(model.augment(x if kind == "r1" else real, u_real))
+        d_fake = model.discriminator(model.augment(x if kind == "r2" else fake, u_fake))
+        (grad,) = torch.autograd.grad((d_real if kind == "r1" else d_fake).sum(), x)
     expected = 0.5 * grad.square().sum(dim=1).mean()
-    torch.testing.assert_close(losses[kind], expected, rtol=1e-6, atol=0)
+    assert expected.dtype == losses[kind].dtype == torch.float64 and expected > 0
+    torch.testing.assert_close(losses[kind], expected, rtol=EXACT, atol=0)
     terms = F.softplus(-d_real).mean() + F.softplus(d_fake).mean()
-    torch.testing.assert_close(losses["d"], terms + 0.1 * expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses["d"], terms + 0.1 * expected, rtol=EXACT, atol=0)
 
 
 def test_ada_resumes_exactly(make_cfg, tmp_path):
@@ -520,12 +528,19 @@ def test_fid_kid_prdc_and_modes_equal_their_definitions():
     mu_r, mu_f, cov_r, cov_f = fr.mean(0), ff.mean(0), np.cov(fr, rowvar=False), np.cov(ff, rowvar=False)
     covmean = linalg.sqrtm(cov_r @ cov_f).real
     reference = ((mu_r - mu_f) ** 2).sum() + np.trace(cov_r + cov_f - 2 * covmean)
+    # Approximate by nature (two square-root algorithms, float64 features): Σ_rΣ_f (‖·‖ ≈ 2.3e3) has 11 zero eigenvalues
+    # (dead features); a backward-stable eigensolver moves each by ≲ 64·2⁻⁵³·2.3e3 ≈ 3e-11, which √ turns into
+    # ≈ 6e-6, ×2 ×11 ≈ 1.2e-4 absolute, 5e-6 of this FID (≈ 27), plus the float32 result's 6e-8; rel 1e-3 leaves 200×
+    # for the non-symmetric product's eigenvector conditioning (measured: 1.6e-8).
     assert float(scores["fid"]) == pytest.approx(reference, rel=1e-3)
     assert 0 < float(scores["precision"]) < 1 and float(scores["kid"]) > 0
     quality.reset()
     quality.update(real, real=True)
     quality.update(real.clone(), real=False)
     same = quality.compute()
+    # FID of a set against itself: 2·tr Σ − 2·Σ√λ(Σ²) with Σ² symmetric (‖Σ‖ ≈ 67): each of its 11 zero eigenvalues
+    # comes out ≲ 64·2⁻⁵³·67² ≈ 6e-11, √ ≈ 8e-6, ×2 ×11 ≈ 2e-4, and 2·tr Σ (≈ 370) cancels to ≈ 1e-13: 1e-2 is 50×
+    # that bound (measured: 7e-12).
     assert abs(float(same["fid"])) < 1e-2 and float(same["precision"]) == float(same["recall"]) == 1.0
     assert float(same["coverage"]) == 1.0
     stacked = StackedDigitsDataModule(val_fraction=0.0).load()
@@ -610,6 +625,8 @@ def test_inception_features_score_digits_where_its_weights_are():
         quality.update(reals, real=True)
         quality.update(fakes, real=False)
         scores[name] = {k: float(v) for k, v in quality.compute().items()}
+    # Not an equality: the self-FID of 200 samples of 2048 Inception features (rank ≤ 199: ≥ 1849 zero eigenvalues of
+    # Σ², each moved by ≲ 2048·2⁻⁵³·‖Σ‖², √ ≈ 2e-6·‖Σ‖, ×2 ×1849 ≈ 1e-2·‖Σ‖ for ‖Σ‖ of order 1-10): < 1.0.
     assert abs(scores["self"]["fid"]) < 1.0 and scores["noise"]["fid"] > 10 * max(1.0, abs(scores["self"]["fid"]))
     assert scores["noise"]["precision"] < scores["self"]["precision"] == 1.0
 
@@ -635,15 +652,17 @@ def _tiny_scores_critic(device: str) -> torch.nn.Module:
 
 
 def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
-    """Scaled scores, unscaled gradient: the same gradient as without a scaler (float32, CPU), and the penalty's
-    gradient reaches D's weights through it."""
+    """Scaled scores, unscaled gradient: the same gradient as without a scaler (float32, CPU, bit for bit), and the
+    penalty's gradient reaches D's weights through it."""
     from multiloss.gan.objectives import input_gradient, penalty
 
     critic, x = _tiny_scores_critic("cpu"), torch.randn(32, 8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     plain, _ = input_gradient(critic, x)
     scaled, _ = input_gradient(critic, x, scaler)
-    torch.testing.assert_close(scaled, plain, rtol=1e-6, atol=0)
+    # Bit for bit: the scale 2¹⁶, the mean's 1/32 and the unscaling 32/2¹⁶ are powers of two, so every value of the
+    # scaled backward is the plain one's × 2¹¹ exactly (all normal float32 numbers, ~1e-9 and up), on any CPU.
+    assert torch.equal(scaled, plain)
     value = penalty("r1", critic, x, x, scaler=scaler)
     assert torch.autograd.grad(value, critic[0].weight)[0].abs().sum() > 0
 
@@ -651,7 +670,7 @@ def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed needs a CUDA GPU (this machine has none)")
 def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
     """On a GPU under float16 autocast: without the scaler the R1 input gradient underflows to 0; with it (the
-    recipe's path) it equals float32's to 5 % of its largest value (float16 subnormals). Then a 16-mixed run with
+    recipe's path) it equals float32's to 7 % of its largest value (float16 subnormals). Then a 16-mixed run with
     lazy R1 and G_ema trains, finite."""
     from multiloss.gan.objectives import input_gradient
 
@@ -662,7 +681,10 @@ def test_penalties_under_16_mixed_on_a_gpu(make_cfg, tmp_path):
         underflow, _ = input_gradient(critic, x)
         scaled, _ = input_gradient(critic, x, scaler)
     assert underflow.abs().max() == 0 and reference.abs().max() > 0
-    torch.testing.assert_close(scaled.float(), reference, rtol=0.05, atol=0.05 * reference.abs().max().item())
+    # float16 behaviour: the scaled gradients (the scores' 2¹¹·1e-8 ≈ 2e-5, the input's ≲ 4.4e-6) are float16
+    # subnormals, spaced 2⁻²⁴ ≈ 6e-8: two roundings of ≤ 3e-8 on each of the 16 hidden gradients, summed through W1
+    # (Σ|W1| ≤ 3.9), plus the last one, ≲ 2.7e-7 ≈ 6 % of the largest input gradient: atol 7 % of it (+ rtol 5 %).
+    torch.testing.assert_close(scaled.float(), reference, rtol=0.05, atol=0.07 * reference.abs().max().item())
     overrides = (
         "recipe=gan",
         "trainer.accelerator=gpu",

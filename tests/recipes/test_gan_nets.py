@@ -28,21 +28,27 @@ from multiloss.gan.nets import (
 from tests.recipes.gan_references import DCGANDiscriminator as ScriptDiscriminator
 from tests.recipes.gan_references import DCGANGenerator as ScriptGenerator
 
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU
+
 
 def test_the_dcgan_pair_at_64_is_pytorch_examples():
     """At 64 × 64 with BatchNorm and the Sigmoid, the shipped pair is the script's layer for layer: its weights load
-    into the transcription (strict), the outputs agree, and dcgan's ``weights_init`` gave the same distribution."""
+    into the transcription (strict), the outputs agree (in float64, to 1e-10), and dcgan's ``weights_init`` gave the
+    same distribution."""
     torch.manual_seed(0)
-    ours_g = DCGANGenerator(latent_dim=8, channels=1, resolution=64, width=8)
-    ours_d = DCGANDiscriminator(channels=1, resolution=64, width=8, batch_norm=True, sigmoid=True)
-    theirs_g, theirs_d = ScriptGenerator(nz=8, ngf=8, nc=1), ScriptDiscriminator(ndf=8, nc=1, sigmoid=True)
+    ours_g = DCGANGenerator(latent_dim=8, channels=1, resolution=64, width=8).double()
+    ours_d = DCGANDiscriminator(channels=1, resolution=64, width=8, batch_norm=True, sigmoid=True).double()
+    theirs_g = ScriptGenerator(nz=8, ngf=8, nc=1).double()
+    theirs_d = ScriptDiscriminator(ndf=8, nc=1, sigmoid=True).double()
     theirs_g.load_state_dict(ours_g.state_dict())
     theirs_d.load_state_dict(ours_d.state_dict())
-    z = torch.randn(6, 8)
-    torch.testing.assert_close(ours_g(z), theirs_g(z))
+    z = torch.randn(6, 8, dtype=torch.float64)
+    torch.testing.assert_close(ours_g(z), theirs_g(z), atol=EXACT, rtol=EXACT)
     x = ours_g(z)
-    torch.testing.assert_close(ours_d(x).view(-1), theirs_d(x))
+    torch.testing.assert_close(ours_d(x).view(-1), theirs_d(x), atol=EXACT, rtol=EXACT)
     conv = ours_g.main[0].weight
+    # A statistic of 8 · 64 · 4 · 4 = 8192 draws of N(0, 0.02²) (seeded): the standard errors of their std and mean
+    # are 0.02/√(2·8192) ≈ 1.6e-4 and 0.02/√8192 ≈ 2.2e-4, so 0.002 is ≥ 9 of them.
     assert abs(conv.std().item() - 0.02) < 0.002 and abs(conv.mean().item()) < 0.002
 
 
@@ -89,18 +95,20 @@ def modulated_conv2d(x, weight, styles, demodulate=True, padding=0, fused_modcon
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_modulated_convolution_is_stylegan2_adas(demodulate, fused):
     """Both of stylegan2-ada's forms (fused: a grouped convolution of per-sample weights; not: the input scaled, one
-    convolution, the output scaled) equal the shipped layer to 1e-5, gradients with respect to w as well."""
+    convolution, the output scaled) equal the shipped layer, in float64 to 1e-10, gradients with respect to w as
+    well."""
     torch.manual_seed(0)
-    layer = ModulatedConv(8, 5, 6, kernel=3, demodulate=demodulate)
-    x, w = torch.randn(4, 8, 7, 7), torch.randn(4, 6, requires_grad=True)
+    layer = ModulatedConv(8, 5, 6, kernel=3, demodulate=demodulate).double()
+    x, w = torch.randn(4, 8, 7, 7, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     ours = layer(x, w)
     styles = layer.affine(w) * layer.weight_gain
     theirs = modulated_conv2d(x, layer.weight, styles, demodulate, padding=1, fused_modconv=fused)
     theirs = theirs + layer.bias.view(1, -1, 1, 1)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=EXACT, rtol=EXACT)
     (g_ours,) = torch.autograd.grad(ours.square().sum(), w)
     (g_theirs,) = torch.autograd.grad(theirs.square().sum(), w)
-    torch.testing.assert_close(g_ours, g_theirs, atol=1e-4, rtol=1e-5)
+    assert g_ours.abs().max() > 1e-4
+    torch.testing.assert_close(g_ours, g_theirs, atol=EXACT, rtol=EXACT)
 
 
 def test_stylegan2_noise_is_fresh_resumable_and_fixed_in_evaluation():

@@ -5,7 +5,9 @@ the upstream file, commit and lines). The recipe trains the same networks — br
 ``generator/`` and a ``discriminator/`` option in a config dir of theirs — on the same images in the same
 order, from the same initial weights, with the same noise (the recipe's documented stream,
 `multiloss.testing.gan_noise`, fed to the script's loop), for 3 epochs. Then every weight and every BatchNorm
-buffer (running statistics, ``num_batches_tracked``) must agree to 1e-5.
+buffer (running statistics, ``num_batches_tracked``) must agree: bit for bit where the script's own float32 loop is
+the subject (DCGAN on BCELoss), else in float64 (the recipe in ``trainer.precision=64-true``, the script's loop on
+float64 copies, images and noise) to 1e-10.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from tests.helpers import logged_rows
 from tests.recipes import gan_references as ref
 
 N, BATCH, EPOCHS, NZ, LR, SEED = 64, 8, 3, 8, 2e-4, 0
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU
+F64 = "trainer.precision=64-true"
 
 
 def _images(size: int) -> torch.Tensor:
@@ -82,11 +86,12 @@ def _overrides(images: Path, *extra: str) -> tuple[str, ...]:
 
 
 def _assert_same_state(
-    recipe_state: dict[str, torch.Tensor], net: torch.nn.Module, prefix: str, tolerance: float = 1e-5
+    recipe_state: dict[str, torch.Tensor], net: torch.nn.Module, prefix: str, tolerance: float = EXACT
 ) -> None:
     for name, value in net.state_dict().items():
         got = recipe_state[f"{prefix}.{name}"]
         if value.is_floating_point():
+            assert got.dtype == value.dtype, f"{prefix}.{name}: {got.dtype} vs {value.dtype} (run both in one dtype)"
             worst = (got - value).abs().max().item()
             assert worst <= tolerance, f"{prefix}.{name} differs by {worst:.3g}"
         else:
@@ -94,9 +99,11 @@ def _assert_same_state(
 
 
 def _initial(make_cfg, overrides: tuple[str, ...], config_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The recipe's networks as `train` builds them (seeded): the scripts start from these weights."""
+    """The recipe's networks as `train` builds them (seeded): the scripts start from these weights (in float64 where
+    the recipe runs in 64-true)."""
     _, module = testing.build(testing.compose(*overrides, config_dir=str(config_dir)))
-    return copy.deepcopy(module.generator), copy.deepcopy(module.discriminator)
+    dtype = torch.float64 if F64 in overrides else torch.float32
+    return copy.deepcopy(module.generator).to(dtype), copy.deepcopy(module.discriminator).to(dtype)
 
 
 def _color_images(n: int, size: int) -> torch.Tensor:
@@ -156,17 +163,18 @@ def test_dcgan_by_config_is_the_dcgan_loop_bit_for_bit(tmp_path, make_cfg):
 
 def test_the_logits_form_of_dcgan_is_its_loop_written_on_logits(tmp_path, make_cfg):
     """``model.loss=nonsaturating`` with D's logits (its Sigmoid left out) is dcgan/main.py's loop with the loss
-    written on logits (softplus(∓l), the recipe's form), to 1e-5 over 3 epochs. Against the script's own Sigmoid +
-    BCELoss it is the same function in another rounding, which a GAN trained with Adam amplifies: docs/recipes.md
-    gives the drift measured (1e-7 after 8 iterations on some CPUs, 1e-4 on others; ~1e-3 by 24)."""
+    written on logits (softplus(∓l), the recipe's form), in float64 to 1e-10 over 3 epochs. Against the script's own
+    Sigmoid + BCELoss it is the same function in another rounding, which a GAN trained with Adam amplifies:
+    docs/recipes.md gives the drift measured (1e-7 after 8 iterations on some CPUs, 1e-4 on others; ~1e-3 by 24)."""
     images = _images(64)
     config_dir = _dcgan_dir(tmp_path, images, nc=1)
-    overrides = _overrides(tmp_path / "images.npz", "model.loss=nonsaturating", *DCGAN)
+    overrides = _overrides(tmp_path / "images.npz", "model.loss=nonsaturating", *DCGAN, F64)
     net_g, net_d = _initial(make_cfg, overrides, config_dir)
-    images = _in_training_order(images)
+    images = _in_training_order(images).double()
     batches = [images[i : i + BATCH] for _ in range(EPOCHS) for i in range(0, N, BATCH)]
-    noise = iter(z for z, _ in testing.gan_noise(SEED, BATCH, NZ, draws=len(batches)))
-    ref.dcgan_loop(net_g, net_d, batches, noise, LR, criterion=ref.bce_on_logits)
+    with ref.default_dtype(torch.float64):  # the noise as the 64-true step draws it
+        noise = iter(z for z, _ in testing.gan_noise(SEED, BATCH, NZ, draws=len(batches)))
+        ref.dcgan_loop(net_g, net_d, batches, noise, LR, criterion=ref.bce_on_logits)
 
     out = tmp_path / "run"
     train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=out))
@@ -196,19 +204,21 @@ def _wgan_setup(tmp_path: Path, *options: str) -> tuple[torch.Tensor, tuple[str,
         latent_dim=NZ,
         img_size=16,
     )
-    overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.penalty_weight=10", *options)
+    overrides = _overrides(tmp_path / "images.npz", "model.loss=wgan-gp", "model.penalty_weight=10", *options, F64)
     return images, overrides, config_dir
 
 
 def test_pytorch_gans_wgan_gp_by_config_is_its_loop(tmp_path, make_cfg):
+    """In float64, to 1e-10 over 3 epochs."""
     images, overrides, config_dir = _wgan_setup(
         tmp_path, "model.n_critic=5", "model.g_input=same_z", "model.g_step_after=first"
     )
     generator, critic = _initial(make_cfg, overrides, config_dir)
-    images = _in_training_order(images)
+    images = _in_training_order(images).double()
     epochs = [[images[i : i + BATCH] for i in range(0, N, BATCH)] for _ in range(EPOCHS)]
-    noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=EPOCHS * N // BATCH))  # one (z, ε) a batch: G reuses z
-    ref.pytorch_gan_wgan_gp_loop(generator, critic, epochs, noise, LR, n_critic=5, lambda_gp=10)
+    with ref.default_dtype(torch.float64):  # the noise as the 64-true step draws it (and the script's ones)
+        noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=EPOCHS * N // BATCH))  # one (z, ε) a batch: G reuses z
+        ref.pytorch_gan_wgan_gp_loop(generator, critic, epochs, noise, LR, n_critic=5, lambda_gp=10)
 
     out = tmp_path / "run"
     train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=out))
@@ -220,13 +230,15 @@ def test_pytorch_gans_wgan_gp_by_config_is_its_loop(tmp_path, make_cfg):
 
 
 def test_the_default_step_is_the_wgan_gp_papers_algorithm_1(tmp_path, make_cfg):
+    """In float64, to 1e-10 over 3 epochs."""
     images, overrides, config_dir = _wgan_setup(tmp_path, "model.n_critic=2")  # g_input=fresh, g_step_after=last
     generator, critic = _initial(make_cfg, overrides, config_dir)
-    images = _in_training_order(images)
+    images = _in_training_order(images).double()
     batches = [images[i : i + BATCH] for _ in range(EPOCHS) for i in range(0, N, BATCH)]
     # A critic draw each batch, and a generator draw after every second one: the recipe's order of draws.
-    noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=len(batches) * 3 // 2))
-    ref.wgan_gp_algorithm_1(generator, critic, batches, noise, LR, n_critic=2, lambda_gp=10)
+    with ref.default_dtype(torch.float64):  # the noise as the 64-true step draws it
+        noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=len(batches) * 3 // 2))
+        ref.wgan_gp_algorithm_1(generator, critic, batches, noise, LR, n_critic=2, lambda_gp=10)
 
     out = tmp_path / "run"
     train(testing.compose(*overrides, config_dir=str(config_dir), output_dir=out))

@@ -35,11 +35,13 @@ from multiloss.config import check_config
 from multiloss.gan.objectives import discriminator_loss
 from tests.conftest import BARE, load_weights
 from tests.helpers import straight_and_resumed
+from tests.recipes.gan_references import default_dtype
 from tests.recipes.test_gan_modern import RESUMABLE
 from tests.recipes.test_gan_stylegan2_ada import Draws, _Record, conv_digits, xflip
 
 BATCH, LATENT, ITERATIONS = 16, 16, 34  # 68 batches of 16: inside one epoch of the digits' 1,437
 LR = 2e-3
+EXACT = 1e-10  # float64: equal up to rounding, on any CPU (the recipe in 64-true, R3GAN's code on float64 copies)
 
 # --- R3GAN/Trainer.py, as written there -------------------------------------------------------------------
 
@@ -128,17 +130,17 @@ class ImageCritic(nn.Module):
 @pytest.mark.parametrize("gamma", [0.05, 2.0])
 def test_both_penalties_equal_r3gans_discriminator_loss(gamma):
     """``model.penalty=[r1,r2] model.penalty_weight=γ`` with ``loss=relativistic``: D's gradients equal R3GAN's
-    ``AccumulateDiscriminatorGradients`` at ``Gamma=γ`` to 1e-6 (3 × 8 × 8 images, a conv critic)."""
+    ``AccumulateDiscriminatorGradients`` at ``Gamma=γ``, in float64 to 1e-10 (3 × 8 × 8 images, a conv critic)."""
     torch.manual_seed(0)
-    D = ImageCritic()
-    real, fake = torch.randn(16, 3, 8, 8), torch.randn(16, 3, 8, 8)
+    D = ImageCritic().double()
+    real, fake = torch.randn(16, 3, 8, 8, dtype=torch.float64), torch.randn(16, 3, 8, 8, dtype=torch.float64)
     reference = copy.deepcopy(D)
     AdversarialTraining(lambda z, c: fake, reference).AccumulateDiscriminatorGradients(None, real, None, gamma)
     losses = discriminator_loss("relativistic", D, real, fake, None, {"r1": gamma, "r2": gamma})
     losses["d"].backward()
     for (name, p), q in zip(D.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
-    assert losses["r1"] > 0 and losses["r2"] > 0
+        torch.testing.assert_close(p.grad, q.grad, atol=EXACT, rtol=0, msg=name)
+    assert losses["r1"] > 0 and losses["r2"] > 0 and max(p.grad.abs().max() for p in D.parameters()) > 1e-4
 
 
 def test_penalties_with_their_own_weights_and_the_errors(make_cfg, tmp_path):
@@ -240,7 +242,9 @@ def _r3gan_loop(G, D, reals, zs, draws):
         cur_gamma = cosine_decay_with_warmup(cur_nimg, **SCHEDULES["gamma"])
         cur_ema_nimg = cosine_decay_with_warmup(cur_nimg, **SCHEDULES["ema_half_life"])
         cur_aug_p = cosine_decay_with_warmup(cur_nimg, **SCHEDULES["augment_p"])
-        p = torch.tensor(cur_aug_p, dtype=torch.float32)  # augment_pipe.p.copy_(misc.constant(cur_aug_p))
+        # augment_pipe.p.copy_(misc.constant(cur_aug_p)): misc.constant's dtype is torch's default (float32 in R3GAN's
+        # runs; float64 here, the loop run in float64).
+        p = torch.tensor(cur_aug_p, dtype=torch.get_default_dtype())
         used.append({"lr": cur_lr, "beta2": cur_beta2, "gamma": cur_gamma, "ema": cur_ema_nimg, "p": p.item()})
         for phase in phases:
             phase["opt"].zero_grad(set_to_none=True)
@@ -294,16 +298,19 @@ def test_the_recipe_equals_r3gans_loop_with_its_schedules(make_cfg):
     68 batches) with every schedule
     R3GAN has — the rate (a warm-up, the cosine, the final value), β2, γ (held, then the cosine), the EMA's half-life
     from 0, the augmentation's p (a warm-up) — on a real augmentation: every value used equals R3GAN's to 1e-9 at
-    every batch; G, D, G_ema and both Adam states to 1e-6."""
-    cfg = make_cfg(*R3GAN, *BARE, f"trainer.max_steps={2 * ITERATIONS}")
+    every batch; G, D, G_ema and both Adam states, in float64 (the recipe in 64-true, the loop on float64 copies with
+    float64 as torch's default dtype), to 1e-10."""
+    cfg = make_cfg(*R3GAN, *BARE, f"trainer.max_steps={2 * ITERATIONS}", "trainer.precision=64-true")
     check_config(cfg)
     datamodule, model = testing.build(cfg)
-    G, D = copy.deepcopy(model.generator), copy.deepcopy(model.discriminator)
+    G, D = copy.deepcopy(model.generator).double(), copy.deepcopy(model.discriminator).double()
     record = _Values()
     trainer = instantiate(cfg.trainer, callbacks=[record], logger=False, enable_checkpointing=False)
     trainer.fit(model, datamodule=datamodule)
     assert len(record.reals) == 2 * ITERATIONS and model.images_seen == ITERATIONS * BATCH
-    G_ema, opt_g, opt_d, used = _r3gan_loop(G, D, record.reals, record.zs, Draws(record.draws))
+    assert all(real.dtype == torch.float64 for real in record.reals) and model.augment.p.dtype == torch.float64
+    with default_dtype(torch.float64):
+        G_ema, opt_g, opt_d, used = _r3gan_loop(G, D, record.reals, record.zs, Draws(record.draws))
     assert record.used[0::2] == record.used[1::2]  # an iteration's values: set at its D batch, kept for its G batch
     for ours, theirs in zip(record.used[1::2], used, strict=True):
         assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
@@ -311,11 +318,12 @@ def test_the_recipe_equals_r3gans_loop_with_its_schedules(make_cfg):
     assert lrs[0] == pytest.approx(LR / 10) and max(lrs) == pytest.approx(LR, rel=1e-3) and lrs[-1] == LR / 4
     for ours, ref in ((model.generator, G), (model.discriminator, D), (model.generator_ema.average, G_ema)):
         for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=name)
+            assert p.dtype == q.dtype == torch.float64
+            torch.testing.assert_close(p.detach(), q.detach(), atol=EXACT, rtol=0, msg=name)
     for ours, ref in zip(trainer.optimizers, (opt_g, opt_d), strict=True):
         for key, state in ref.state_dict()["state"].items():
             for moment in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(ours.state_dict()["state"][key][moment], state[moment], atol=1e-6, rtol=0)
+                torch.testing.assert_close(ours.state_dict()["state"][key][moment], state[moment], atol=EXACT, rtol=0)
 
 
 def test_the_curve_is_r3gans_and_linear_is_a_line():

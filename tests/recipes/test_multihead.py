@@ -1,7 +1,8 @@
 """`multihead`: one backward of the summed heads == per-head backward(retain_graph=True) == per-head autograd.grad.
 
 The summed gradient is taken from the recipe's real training step under the real Trainer (captured
-just before the optimizer step); the references are the hand-written loops in plain PyTorch.
+just before the optimizer step); the references are the hand-written loops in plain PyTorch. The proofs run in
+float64 (``precision="64-true"``, the batch cast as Lightning casts it) and hold to `EXACT`, on any CPU.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from multiloss.testing import assert_gradients_close
 from tests.conftest import BARE
 
 BATCH = 64
+EXACT = 1e-10  # float64: equal up to rounding (one step's stays near 1e-16), on any CPU
 
 
 def _step(make_cfg, *overrides):
-    """The recipe's first-step gradients under the real Trainer, the module at its initial weights, the batch."""
+    """The recipe's first-step gradients under the real Trainer in float64, the module at its initial weights (float64
+    now), the batch (cast to float64 as the run's was)."""
     cfg = make_cfg("recipe=multihead", *BARE, f"data.batch_size={BATCH}", *overrides)
     datamodule, model = testing.build(cfg)
-    (grads,) = testing.step_gradients(model, datamodule, steps=1)
-    return grads, model, testing.first_batch(datamodule)
+    (grads,) = testing.step_gradients(model, datamodule, steps=1, precision="64-true")
+    return grads, model, testing.in_dtype(testing.first_batch(datamodule), torch.float64)
 
 
 @pytest.mark.parametrize("weights", [None, "[0.3,0.5,1.0]"])
@@ -45,8 +48,9 @@ def test_summed_backward_equals_per_head_references(make_cfg, weights):
             if g is not None:
                 per_head_grad[n] += g
 
-    assert_gradients_close(summed, per_head_backward, atol=1e-6)
-    assert_gradients_close(summed, per_head_grad, atol=1e-6)
+    assert summed["net.heads.0.weight"].dtype == torch.float64
+    assert_gradients_close(summed, per_head_backward, atol=EXACT, rtol=EXACT)
+    assert_gradients_close(summed, per_head_grad, atol=EXACT, rtol=EXACT)
     # Head i's weights get gradient only from loss i: the sum does not mix heads.
     assert summed["net.heads.0.weight"].abs().sum() > 0
 
@@ -107,7 +111,10 @@ def test_gradient_clipping_clips(make_cfg):
         "trainer.max_steps=1",
     )
     datamodule, model = testing.build(cfg)
-    before = [p.detach().clone() for p in model.parameters()]
-    testing.bare_trainer(max_steps=1).fit(model, datamodule=datamodule)
+    before = [p.detach().clone().double() for p in model.parameters()]
+    testing.bare_trainer(max_steps=1, precision="64-true").fit(model, datamodule=datamodule)
     moved = torch.linalg.vector_norm(torch.stack([(p - b).norm() for p, b in zip(model.parameters(), before)]))
-    assert 0 < moved <= 1e-3 * (1 + 1e-4)  # one SGD step of lr 1 on a gradient clipped to norm 1e-3
+    # One SGD step of lr 1 on a gradient clipped to norm 1e-3: clip_grad_norm_ scales by 1e-3 / (‖g‖ + 1e-6), so the
+    # step is 1e-3·‖g‖/(‖g‖ + 1e-6) < 1e-3. In float64 the update rounds each of the N ≈ 4.5e4 weights (|w| < 0.2) by
+    # ≤ 2⁻⁵³·|w|, which moves this norm by ≤ √N·0.2·2⁻⁵³ ≈ 5e-15, 5e-12 of 1e-3: inside EXACT.
+    assert 0 < moved <= 1e-3 * (1 + EXACT)

@@ -2,7 +2,8 @@
 
 The recipe's gradient is taken from its real training step under the real Trainer (captured just
 before the optimizer step). The references are plain PyTorch written here from the parameters
-alone: their own forward pass, their own targets (class, odd/even, mean ink) and losses.
+alone: their own forward pass, their own targets (class, odd/even, mean ink) and losses. The proofs run in float64
+(``precision="64-true"``, the batch cast as Lightning casts it) and hold to `EXACT`, on any CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ QUICK = (
     *BARE,
 )
 TASKS = ("digit", "parity", "ink")
+EXACT = 1e-10  # float64: equal up to rounding (one step's stays near 1e-16), on any CPU
+F64 = {"precision": "64-true"}  # the proofs' Trainer: the module and every floating batch tensor in float64
 
 
 def _weights(weights) -> list[str]:
@@ -33,7 +36,8 @@ def _weights(weights) -> list[str]:
 
 def _lightning_step(make_cfg, *overrides, **trainer_kwargs):
     """Gradients of the recipe's first optimizer step under the real Trainer, the module at its
-    initial weights, the batch of that step, and how many times the trunk's backward ran in it."""
+    initial weights, the batch of that step (in the dtype the step saw it: float64 under ``precision="64-true"``),
+    and how many times the trunk's backward ran in it."""
     datamodule, model = testing.build(make_cfg(*QUICK, *overrides))
     # Counts the gradients arriving at the trunk's output: once per backward pass through it.
     trunk_backwards = []
@@ -46,7 +50,10 @@ def _lightning_step(make_cfg, *overrides, **trainer_kwargs):
     steps = testing.step_gradients(model, datamodule, steps=1, **trainer_kwargs)
     hook.remove()
     assert len(steps) == 1
-    return steps[0], model, testing.first_batch(datamodule), len(trunk_backwards)
+    batch = testing.first_batch(datamodule)
+    if trainer_kwargs.get("precision") == "64-true":
+        batch = testing.in_dtype(batch, torch.float64)
+    return steps[0], model, batch, len(trunk_backwards)
 
 
 def _reference_losses(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], depth: int) -> list:
@@ -60,13 +67,14 @@ def _reference_losses(params: dict[str, torch.Tensor], batch: dict[str, torch.Te
     y = batch["y"]
     return [
         F.cross_entropy(digit, y),
-        F.binary_cross_entropy_with_logits(parity, (y % 2 == 1).float()),
+        F.binary_cross_entropy_with_logits(parity, (y % 2 == 1).to(parity.dtype)),
         ((ink - batch["x"].sum(dim=1) / batch["x"].shape[1]) ** 2).mean(),
     ]
 
 
 def _references(model, batch, weights):
-    """(backward of Σ wᵢ·lossᵢ, Σ wᵢ·autograd.grad(lossᵢ)) as name -> gradient maps."""
+    """(backward of Σ wᵢ·lossᵢ, Σ wᵢ·autograd.grad(lossᵢ), Σ |float32(wᵢ) − wᵢ|·|grad(lossᵢ)|) as name -> gradient
+    maps; the last bounds what a weight rounded to float32 moves the gradient by."""
     params = dict(model.named_parameters())
     depth = model.hparams.net["depth"]
     model.zero_grad(set_to_none=True)
@@ -76,27 +84,36 @@ def _references(model, batch, weights):
 
     losses = _reference_losses(params, batch, depth)
     per_task = {n: torch.zeros_like(p) for n, p in params.items()}
+    rounding = {n: torch.zeros_like(p) for n, p in params.items()}
     for w, loss in zip(weights, losses):
         grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
         for n, g in zip(params, grads):
             if g is not None:
                 per_task[n] += w * g
+                rounding[n] += abs(float(torch.tensor(w, dtype=torch.float32)) - w) * g.abs()
     model.zero_grad(set_to_none=True)
-    return summed, per_task
+    return summed, per_task, rounding
 
 
 @pytest.mark.parametrize("weights", [None, [0.7, 1.3, 40.0], [1.0, 0.0, 30.0]])
 def test_weighted_backward_equals_backward_of_weighted_sum(make_cfg, weights):
     overrides = [f"data.batch_size={BATCH}", *(_weights(weights) if weights else [])]
-    grads, model, batch, trunk_backwards = _lightning_step(make_cfg, *overrides)
+    grads, model, batch, trunk_backwards = _lightning_step(make_cfg, *overrides, **F64)
     used = [t.weight for t in model.tasks.values()]
     assert used == (weights or [1.0, 1.0, 30.0])  # the shipped default
 
-    summed, per_task = _references(model, batch, used)
-    assert_gradients_close(grads, summed, atol=1e-6)
-    assert_gradients_close(grads, per_task, atol=1e-6)
+    summed, per_task, rounding = _references(model, batch, used)
+    assert grads["net.heads.ink.weight"].dtype == torch.float64
+    # The recipe seeds its backward with the balancer's `base` weights, made again in float64 from the config's numbers
+    # when the module goes float64 (Balancer._apply): a weight float32 cannot hold (0.7, 1.3) would otherwise move each
+    # gradient element by up to `rounding` (Σ |float32(wᵢ) − wᵢ|·|∂lossᵢ|, 2e-9 here), which the bound would need.
+    assert max(float(r.max()) for r in rounding.values()) > 10 * EXACT or weights != [0.7, 1.3, 40.0]
+    atol = EXACT
+    assert_gradients_close(grads, summed, atol=atol, rtol=EXACT)
+    assert_gradients_close(grads, per_task, atol=atol, rtol=EXACT)
     # And multiloss.testing's reference, from the module's own task list (losses, targets, weights).
-    assert_gradients_close(grads, testing.weighted_sum_gradients(model.net, batch, model.tasks), atol=1e-6)
+    reference = testing.weighted_sum_gradients(model.net, batch, model.tasks)
+    assert_gradients_close(grads, reference, atol=atol, rtol=EXACT)
     # One backward through the trunk per step: not one per task.
     assert trunk_backwards == 1
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "parity" not in n)
@@ -116,10 +133,12 @@ def test_zero_weight_leaves_its_head_with_zero_gradient(make_cfg):
 def test_lightning_accumulation_scales_the_loss_vector(make_cfg):
     """model.accumulate_grad_batches=2 of 32 == one batch of 64: the step's loss / k acts on the vector
     before its weighted backward."""
-    grads, model, _, _ = _lightning_step(make_cfg, "data.batch_size=32", "model.accumulate_grad_batches=2")
+    grads, model, _, _ = _lightning_step(make_cfg, "data.batch_size=32", "model.accumulate_grad_batches=2", **F64)
     batch = testing.first_batch(testing.build(make_cfg(*QUICK, f"data.batch_size={BATCH}"))[0])
-    summed, _ = _references(model, batch, [t.weight for t in model.tasks.values()])
-    assert_gradients_close(grads, summed, atol=1e-6)
+    weights = [t.weight for t in model.tasks.values()]
+    assert weights == [1.0, 1.0, 30.0]  # float32 holds them exactly: the recipe's float32 `base` buffer is exact too
+    summed, _, _ = _references(model, testing.in_dtype(batch, torch.float64), weights)
+    assert_gradients_close(grads, summed, atol=EXACT, rtol=EXACT)
 
 
 def _seed_graph():
@@ -231,7 +250,7 @@ def test_logs_every_task_and_learns(make_cfg, tmp_path):
     # The plot draws what metrics.csv holds (two validations per epoch); no copy in the module or checkpoint.
     _, digit_acc = _plotted(tmp_path)["val/acc/digit"]
     assert len(digit_acc) == 8
-    assert digit_acc[-1] == pytest.approx(metrics["val/acc/digit"])
+    assert digit_acc[-1] == metrics["val/acc/digit"]  # the same float32 value: metrics.csv writes its repr, read back
     assert "task_metrics_history" not in torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
 
 

@@ -149,10 +149,11 @@ class MoCo(_MovingAverage):
         self.beta, self.beta_sigma, self.gamma, self.gamma_sigma, self.rho = map(
             float, (beta, beta_sigma, gamma, gamma_sigma, rho)
         )
-        self.lambd = torch.full((len(self.tasks),), 1 / len(self.tasks))
+        # float64 until the first step casts it to the gradients' dtype: 1/K as exact as a 64-true run needs.
+        self.lambd = torch.full((len(self.tasks),), 1 / len(self.tasks), dtype=torch.float64)
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
-        return self.base * self.lambd.to(self.base.device)
+        return self.base * self.lambd.to(self.base)
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         self.steps += 1

@@ -48,7 +48,16 @@ class Balancer(nn.Module):
         super().__init__()
         self.tasks = tuple(tasks)
         # Not persistent: the configured weights come from the config, not from the checkpoint.
-        self.register_buffer("base", torch.tensor([float(b) for b in base]), persistent=False)
+        self._base_values = [float(b) for b in base]
+        self.register_buffer("base", torch.tensor(self._base_values), persistent=False)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Balancer:
+        # Cast to float64 (a 64-true run), the configured weights are made again from the config's numbers: a float32
+        # buffer widened would keep float32's rounding of 0.7.
+        module = super()._apply(fn, *args, **kwargs)
+        if self.base.dtype == torch.float64:
+            self.base = torch.tensor(self._base_values, dtype=torch.float64, device=self.base.device)
+        return module
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
         """This step's weights (one per task) for the detached task losses ``losses``."""

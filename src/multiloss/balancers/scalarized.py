@@ -80,6 +80,13 @@ class Scalarized(Balancer):
         self._own_term: torch.Tensor | None = None
         self._mean_over_ranks: Reduce | None = None
 
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Scalarized:
+        # A scalarizer outside the module tree (FAMO's logits and their optimizer) is cast with the balancer: a 64-true
+        # run's .double() reaches it before its optimizer holds any state (or loads a checkpoint's, in its dtype).
+        if self.after_step_update:
+            self.scalarizer._apply(fn, *args, **kwargs)
+        return super()._apply(fn, *args, **kwargs)
+
     def start_epoch(self, epoch: int, reduce: Reduce) -> None:
         self._mean_over_ranks = reduce
         if isinstance(self.scalarizer, LibMTLSTCH):

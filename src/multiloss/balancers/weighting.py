@@ -85,8 +85,12 @@ class DynamicWeightAverage(Balancer):
         self._host_epoch: int | None = None
 
     def weights(self, losses: torch.Tensor) -> torch.Tensor:
-        if self.epoch_sum.device != losses.device:  # not buffers: they follow the losses
-            self.epoch_sum, self.epoch_count = self.epoch_sum.to(losses.device), self.epoch_count.to(losses.device)
+        dtype = torch.float64 if losses.dtype == torch.float64 else self.epoch_sum.dtype  # a 64-true run sums in it
+        if self.epoch_sum.device != losses.device or self.epoch_sum.dtype != dtype:  # not buffers: follow the losses
+            self.epoch_sum, self.epoch_count = (
+                self.epoch_sum.to(losses.device, dtype),
+                self.epoch_count.to(losses.device, dtype),
+            )
         self.epoch_sum += losses.detach().to(self.epoch_sum.dtype)  # on the device: no host sync
         self.epoch_count += 1
         return self.base * self.current

@@ -37,7 +37,8 @@ class GeneratedSamplesPlot(LeanCallback):
         if not _draws_here(trainer):
             return
         z = torch.randn(self.n_samples, pl_module.latent_dim, generator=torch.Generator().manual_seed(self.seed))
-        fake = full(pl_module(z.to(pl_module.device))).float().cpu()  # the recipe's samples: G_ema's when on
+        dtype = next(pl_module.parameters()).dtype  # (float64 under 64-true)
+        fake = full(pl_module(z.to(pl_module.device, dtype))).float().cpu()  # the recipe's samples: G_ema's when on
         if not trainer.is_global_zero:
             return
         import matplotlib

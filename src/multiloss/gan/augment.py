@@ -197,8 +197,9 @@ class Augment(nn.Module):
         """stylegan2-ada's update at the interval's end, from its sums and its nominal ``images``."""
         r_t = self.signs[0] / self.signs[1].clamp(min=1)
         step = torch.sign(r_t - self.ada_target) * images / (self.ada_kimg * 1000)
-        # stylegan2-ada adds a float64 numpy scalar to its float32 p: the sum is float32 (training_loop.py 316-317).
-        self.p.copy_((self.p + step.float()).clamp(min=0))
+        # stylegan2-ada adds a float64 numpy scalar to its float32 p: the sum is p's dtype (training_loop.py 316-317;
+        # float64 under 64-true, as stylegan2-ada run in float64 would add it).
+        self.p.copy_((self.p + step.to(self.p.dtype)).clamp(min=0))
         self.signs.zero_()
 
     def seen_by(self, critic: Callable[[torch.Tensor], Any], uniforms: Callable[[int, int], Any]) -> Callable:
