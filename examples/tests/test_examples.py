@@ -10,13 +10,11 @@ the Trainer casts them), to `EXACT`, on any CPU.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import csv
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -131,17 +129,6 @@ def _float64(batch: dict) -> dict:
     return testing.in_dtype(batch, torch.float64)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """The default dtype a ``64-true`` step runs under (Lightning's DoublePrecision sets float64)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def test_cnn_multihead_summed_backward_equals_per_head_backwards(data):
     _, datamodule, module = _build("cnn_multihead", data)
     (grads,) = testing.step_gradients(module, datamodule, **F64)
@@ -206,7 +193,7 @@ def test_residual_gan_steps_equal_the_references(data, loss):
     )
     d_step, g_step = testing.step_gradients(module, datamodule, steps=2, **F64)
     real = _float64(testing.first_batch(datamodule))["x"]
-    with _default_dtype(torch.float64):  # the recipe's noise in the dtype the 64-true step draws it in
+    with testing.default_dtype(torch.float64):  # the recipe's noise in the dtype the 64-true step draws it in
         (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, len(real), module.latent_dim, draws=2)
     with torch.no_grad():
         fake = module.generator(z)

@@ -32,9 +32,10 @@ work on a copy of the network and return ``{prefix + parameter name: gradient}``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,19 @@ def assert_gradients_close(
         torch.testing.assert_close(a, e, atol=atol_k, rtol=rtol_k, msg=lambda m, k=k: f"{k}: {m}")
         worst = max(worst, (a - e).abs().max().item())
     return worst
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Inside: ``dtype`` is torch's default dtype, as a ``64-true`` run's step has float64 (Lightning's DoublePrecision
+    sets it): a reference that makes tensors of the default dtype (noise from `gan_noise`, ``torch.ones``) makes them
+    as the recipe's float64 step does, not rounded through float32."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def in_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:

@@ -20,24 +20,10 @@ global streams gave the scripts is the one thing replaced.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Inside: ``dtype`` is torch's default dtype, as a ``64-true`` run's step has float64 (noise drawn there,
-    `multiloss.testing.gan_noise`, comes out in it at full precision rather than rounded through float32)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
 
 # --- DCGAN -------------------------------------------------------------------------------------------
 

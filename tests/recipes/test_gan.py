@@ -22,10 +22,9 @@ from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
 from multiloss.gan.objectives import penalty as gan_penalty
 from multiloss.metrics import ModeCoverage
 from multiloss.nets import MLP
-from multiloss.testing import assert_gradients_close
+from multiloss.testing import assert_gradients_close, default_dtype
 from tests.conftest import BARE, SMALL_GAN, load_weights
 from tests.helpers import straight_and_resumed
-from tests.recipes.gan_references import default_dtype
 
 BATCH = 64
 EXACT = 1e-10  # float64: equal up to rounding, on any CPU (the proofs below run in 64-true)

@@ -30,9 +30,9 @@ from hydra.utils import instantiate
 
 from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
+from multiloss.testing import default_dtype
 from tests.conftest import BARE, SMALL_GAN, load_checkpoint, load_weights
 from tests.helpers import straight_and_resumed
-from tests.recipes.gan_references import default_dtype
 from tests.recipes.test_gan_stylegan2_ada import stylegan_ema_update
 
 BATCH = 64

@@ -172,7 +172,7 @@ def test_the_logits_form_of_dcgan_is_its_loop_written_on_logits(tmp_path, make_c
     net_g, net_d = _initial(make_cfg, overrides, config_dir)
     images = _in_training_order(images).double()
     batches = [images[i : i + BATCH] for _ in range(EPOCHS) for i in range(0, N, BATCH)]
-    with ref.default_dtype(torch.float64):  # the noise as the 64-true step draws it
+    with testing.default_dtype(torch.float64):  # the noise as the 64-true step draws it
         noise = iter(z for z, _ in testing.gan_noise(SEED, BATCH, NZ, draws=len(batches)))
         ref.dcgan_loop(net_g, net_d, batches, noise, LR, criterion=ref.bce_on_logits)
 
@@ -216,7 +216,7 @@ def test_pytorch_gans_wgan_gp_by_config_is_its_loop(tmp_path, make_cfg):
     generator, critic = _initial(make_cfg, overrides, config_dir)
     images = _in_training_order(images).double()
     epochs = [[images[i : i + BATCH] for i in range(0, N, BATCH)] for _ in range(EPOCHS)]
-    with ref.default_dtype(torch.float64):  # the noise as the 64-true step draws it (and the script's ones)
+    with testing.default_dtype(torch.float64):  # the noise as the 64-true step draws it (and the script's ones)
         noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=EPOCHS * N // BATCH))  # one (z, ε) a batch: G reuses z
         ref.pytorch_gan_wgan_gp_loop(generator, critic, epochs, noise, LR, n_critic=5, lambda_gp=10)
 
@@ -236,7 +236,7 @@ def test_the_default_step_is_the_wgan_gp_papers_algorithm_1(tmp_path, make_cfg):
     images = _in_training_order(images).double()
     batches = [images[i : i + BATCH] for _ in range(EPOCHS) for i in range(0, N, BATCH)]
     # A critic draw each batch, and a generator draw after every second one: the recipe's order of draws.
-    with ref.default_dtype(torch.float64):  # the noise as the 64-true step draws it
+    with testing.default_dtype(torch.float64):  # the noise as the 64-true step draws it
         noise = iter(testing.gan_noise(SEED, BATCH, NZ, draws=len(batches) * 3 // 2))
         ref.wgan_gp_algorithm_1(generator, critic, batches, noise, LR, n_critic=2, lambda_gp=10)
 

@@ -33,9 +33,9 @@ from multiloss import ConfigError, testing, train
 from multiloss.base.schedules import ImagesCurve
 from multiloss.config import check_config
 from multiloss.gan.objectives import discriminator_loss
+from multiloss.testing import default_dtype
 from tests.conftest import BARE, load_weights
 from tests.helpers import straight_and_resumed
-from tests.recipes.gan_references import default_dtype
 from tests.recipes.test_gan_modern import RESUMABLE
 from tests.recipes.test_gan_stylegan2_ada import Draws, _Record, conv_digits, xflip
 

@@ -45,8 +45,8 @@ from torch import nn
 
 from multiloss import testing
 from multiloss.config import check_config
+from multiloss.testing import default_dtype
 from tests.conftest import BARE
-from tests.recipes.gan_references import default_dtype
 
 BATCH, LATENT, ITERATIONS = 32, 16, 34
 R1_GAMMA, D_REG_INTERVAL, EMA_KIMG, EMA_RAMPUP, LR = 0.5, 16, 0.4, 0.05, 0.0025
