@@ -76,7 +76,14 @@ from multiloss.gan.options import build_path_length, check_options, penalty_of
 from multiloss.gan.phases import DMicroBatch, generator_steps_after
 from multiloss.gan.schedules import beta2_schedule, build_schedules, check_schedules
 from multiloss.parallel.ddp import synced
-from multiloss.saving.saved_state import D_STEPS_KEY, G_STEPS_KEY, IMAGES_KEY, NOISE_KEY, SCHEDULED_AT_KEY
+from multiloss.saving.saved_state import (
+    D_STEPS_KEY,
+    G_STEPS_KEY,
+    IMAGES_KEY,
+    NOISE_DRAW_KEY,
+    NOISE_KEY,
+    SCHEDULED_AT_KEY,
+)
 
 
 class GAN(Recipe):
@@ -313,15 +320,19 @@ class GAN(Recipe):
         return self.noise_stream.generator(self.device)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
         if (state := self.noise_stream.state()) is not None:
             checkpoint[NOISE_KEY] = state
+        checkpoint[NOISE_DRAW_KEY] = self.noise_stream.draw
         checkpoint[D_STEPS_KEY] = self.d_steps
         checkpoint[G_STEPS_KEY] = self.g_steps
         checkpoint[IMAGES_KEY] = self.images_seen
         checkpoint[SCHEDULED_AT_KEY] = self.scheduled_at
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.noise_stream.load(checkpoint.get(NOISE_KEY))
+        super().on_load_checkpoint(checkpoint)
+        # An earlier version's checkpoint (no draw named) goes on drawing its normals as it did: randn.
+        self.noise_stream.load(checkpoint.get(NOISE_KEY), checkpoint.get(NOISE_DRAW_KEY, "randn"))
         self.d_steps = checkpoint.get(D_STEPS_KEY, 0)  # (older checkpoints: none taken before the lazy penalty)
         self.g_steps = checkpoint.get(G_STEPS_KEY, 0)
         self.images_seen = checkpoint.get(IMAGES_KEY, 0)

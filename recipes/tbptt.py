@@ -445,6 +445,7 @@ class TruncatedBPTT(Recipe):
     # -------------------------------------------------------------- checkpoint
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint[VOCABULARY_KEY] = self.vocab.to_plain()
         if self.carry_state:
             # Every rank's own streams' state (a collective: every rank saves), stacked by rank.
@@ -455,6 +456,7 @@ class TruncatedBPTT(Recipe):
         return (gathered if self.trainer.world_size > 1 else gathered[None]).cpu()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         if self.carry_state and (carried := checkpoint.get(CARRIED_KEY)) is not None:
             world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.attached_trainer else (1, 0)
             saved_world = next(t for t in _tensors(carried)).shape[0]

@@ -1,7 +1,8 @@
 """Sharded training (FSDP2, ``trainer=fsdp_cpu``: 2 CPU processes, gloo) against DDP (``trainer=ddp_cpu``).
 
-Every recipe, and every balancer, ends with DDP's weights (same seed, data and steps; 1e-5; the GAN with G_ema,
-lazy R1 and ADA to the bit, its EMA and ADA's p included);
+Every recipe, and every balancer, ends with DDP's weights (same seed, data and steps; in float64,
+``trainer.precision=64-true``, to `EXACT`; the GAN with G_ema, lazy R1 and ADA to the bit, its EMA and ADA's p
+included);
 accumulation reduce-scatters once an optimizer step; a sharded run stopped at every kind of stop and resumed
 ends with the straight run's weights; the sharded ``last.ckpt`` (a directory, one shard a rank) is verified,
 evaluated, loaded and consolidated into one file; what FSDP2 cannot do is refused before a process starts.
@@ -34,6 +35,10 @@ from tests.rank_pool import pooled_train
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FSDP, DDP = ("trainer=fsdp_cpu",), ("trainer=ddp_cpu",)
+F64 = "trainer.precision=64-true"  # a proof's runs: the module, its batches and its steps in float64 (FSDP2's too)
+# float64: equal up to rounding, on any CPU. FSDP2 and DDP (and one device) sum the same examples' gradients in other
+# groupings (a reduce-scatter, an all-reduce, one batch), so they part only by rounding, ~1e-16 relative a step.
+EXACT = 1e-10
 QUIET_RUN = (*QUIET, "~callbacks.loss_curves", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=2")
 SMALL_NET = ("model.net.width=16", "data.shuffle=false")
 # The GAN on FSDP2's own schedule: no gradient penalty (with one, the critic is held whole: gan-wgan-gp below).
@@ -199,11 +204,23 @@ def _train(out: Path, *overrides: str) -> Path:
 
 
 def _worst(a: Path, b: Path, skip: str | None = None) -> float:
-    """The largest difference of two runs' weights and buffers (``skip``: names containing it left out)."""
+    """The largest difference of two runs' weights and buffers (``skip``: names containing it left out), each pair in
+    its own dtype (a float32 cast would round away a float64 run's differences); their counts equal."""
     wa, wb = load_weights(a / "checkpoints/last.ckpt"), load_weights(b / "checkpoints/last.ckpt")
     assert wa.keys() == wb.keys()
     names = [k for k in wa if isinstance(wa[k], torch.Tensor) and not (skip and skip in k)]
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in names)
+    assert all(wa[k].dtype == wb[k].dtype for k in names)
+    floats = [k for k in names if wa[k].is_floating_point()]
+    assert all(torch.equal(wa[k], wb[k]) for k in names if k not in floats), "a count differs"
+    return max((wa[k] - wb[k]).abs().max().item() for k in floats)
+
+
+def _float64(run: Path) -> None:
+    """Every floating-point weight and buffer of the run is float64: it ran in float64 end to end."""
+    weights = load_weights(run / "checkpoints/last.ckpt")
+    assert {v.dtype for v in weights.values() if isinstance(v, torch.Tensor) and v.is_floating_point()} == {
+        torch.float64
+    }
 
 
 # Not compared again: multihead and weighted with fixed weights (their steps run in multihead-mgda, multihead-
@@ -214,7 +231,7 @@ COMPARED = sorted(set(RECIPES) - {"multihead", "weighted"})
 
 @pytest.mark.parametrize("case", COMPARED)
 def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
-    common = (*RECIPES[case], *(corpus if case == "tbptt" else ()))
+    common = (*RECIPES[case], *(corpus if case == "tbptt" else ()), F64)
     counter = ("+callbacks.count._target_=tests.helpers.ReduceScatterCounter", f"+callbacks.count.dirpath={tmp_path}")
     sharded = _train(tmp_path / "fsdp", *common, *FSDP, *(counter if case == "accumulation" else ()))
     replicated = _train(tmp_path / "ddp", *common, *DDP)
@@ -225,9 +242,10 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
     # BatchNorm's running statistics are each rank's own (its own batches) under both engines; DDP's checkpoint holds
     # rank 0's, the sharded one (likely) the copy DCP picks a writer for: 2.7e-3 apart after 12 steps, every weight
     # equal to the bit.
+    _float64(sharded)
     worst = _worst(sharded, replicated, skip="running_" if case == "gan-dcgan" else None)
     print(f"{case}: FSDP2 vs DDP, largest weight difference {worst:.2g}")  # for the record (pytest -s)
-    assert worst <= 1e-5
+    assert worst <= EXACT
     if case in ("gan-dcgan", "gan-stylegan2"):
         assert worst == 0.0  # every weight to the bit (the DCGAN's BatchNorm statistics aside: above)
     if case == "gan-modern":
@@ -240,7 +258,11 @@ def test_each_recipe_sharded_ends_with_ddps_weights(tmp_path, corpus, case):
         # DWA's running sums (a dict of extra state: flattened key by key in a sharded checkpoint) continue
         # exactly from an epoch end: the epoch's mean is the ranks' summed sums over the count, so a resume from
         # their mean gives the same bits (the ranks' reduce is DDP's too). Against the straight run above.
-        again = (*common[:-1], *FSDP, "callbacks.model_checkpoint.epoch_save_seconds=0")
+        again = (
+            *(o for o in common if o != "trainer.max_epochs=3"),
+            *FSDP,
+            "callbacks.model_checkpoint.epoch_save_seconds=0",
+        )
         run = _train(tmp_path / "resumed", *again, "trainer.max_epochs=2")
         _train(run, *again, "trainer.max_epochs=3", "ckpt_path=last")
         assert _worst(sharded, run) == 0.0
@@ -258,18 +280,19 @@ def test_the_sharded_rule_is_one_devices_rule_on_the_global_batch(tmp_path, reci
     """``model.balancer.scope=global`` under FSDP2: each task's gradient reduce-scattered, the rule from the Gramian of
     the shards (the net never held whole): 2 ranks × 64 end with the weights of one device on batches of 128. Under
     DDP (PCGrad) the same scope all-reduces the task gradients: the same weights again. SGD: equal gradients, equal
-    weights."""
-    common = (f"recipe={recipe}", f"balancer={balancer}", *SMALL_NET, "optimizer=sgd", "trainer.max_steps=6")
+    weights; in float64, to `EXACT`."""
+    common = (f"recipe={recipe}", f"balancer={balancer}", *SMALL_NET, "optimizer=sgd", "trainer.max_steps=6", F64)
     sharded = _train(tmp_path / "fsdp", *common, "model.balancer.scope=global", "data.batch_size=64", *FSDP)
     one = train_here(tmp_path / "one", *QUIET_RUN, *common, "data.batch_size=128", "trainer=cpu")
+    _float64(sharded)
     worst = _worst(sharded, one)
     print(f"{balancer} scope=global: FSDP2 2 x 64 vs one device x 128, largest weight difference {worst:.2g}")
-    assert worst <= 1e-5
+    assert worst <= EXACT
     if balancer == "pcgrad":
         replicated = _train(tmp_path / "ddp", *common, "model.balancer.scope=global", "data.batch_size=64", *DDP)
         worst = _worst(replicated, one)
         print(f"{balancer} scope=global: DDP 2 x 64 vs one device x 128, largest weight difference {worst:.2g}")
-        assert worst <= 1e-5
+        assert worst <= EXACT
 
 
 GAN_RESUMED = (

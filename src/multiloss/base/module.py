@@ -34,6 +34,7 @@ from multiloss.components import compile_in_place, name_of, to_plain
 from multiloss.config import require
 from multiloss.parallel import sharding
 from multiloss.parallel.parallelism import Parallelism, parallelism_of
+from multiloss.saving.saved_state import STEP_KEY
 
 
 class Recipe(RecipeOptimizers, RecipeLogging):
@@ -157,6 +158,26 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         precision.install(self.trainer.precision_plugin)  # 16-mixed: clipping on the true gradients
         if not self._components_checked and (batch := probe_batch(self.trainer)) is not None:
             self.run_component_check(batch)  # before any step or write; else the first batch met (on_*_batch_start)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """What the step's options cannot say from the config alone (a subclass that saves more calls this too)."""
+        checkpoint[STEP_KEY] = {"accumulation_mean": self.accumulation_mean}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """An earlier version's checkpoint (no `STEP_KEY`) continues with the step it trained with: each micro-batch's
+        mean / k (``model.accumulation_mean=micro_batches``) unless its ``count_exact`` was on. Said once."""
+        if STEP_KEY in checkpoint or self.accumulation_mean != "examples":
+            return
+        hyper_parameters = checkpoint.get("hyper_parameters") or {}
+        mean = "examples" if hyper_parameters.get("count_exact") else "micro_batches"
+        if mean != self.accumulation_mean:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(
+                "multiloss: the checkpoint is an earlier version's, whose step weighed each micro-batch 1/k: it "
+                "continues so (model.accumulation_mean=micro_batches)"
+            )
+            self.accumulation_mean = mean
 
     def teardown(self, stage: str) -> None:
         self._parallelism = None

@@ -168,6 +168,7 @@ class MultiTaskRecipe(Recipe):
                 self.balancer.after_step(torch.stack(list(recompute().values())))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         if self.balancer is not None:
             checkpoint[TASKS_KEY] = list(self.balancer.tasks)
             save_balancer_state(self.balancer, checkpoint, self.mean_over_ranks)
@@ -186,6 +187,7 @@ class MultiTaskRecipe(Recipe):
             probe.release()  # its hooks off the net: the run builds its own balancer
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         # Before the weights load: a balancer with state must exist to receive them.
         names = checkpoint.get(TASKS_KEY) or self._tasks_of_a_head_count(checkpoint)
         if names:

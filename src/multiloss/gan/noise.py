@@ -8,6 +8,7 @@ the batch): drawing n per rank would give every rank the same noise (their gener
 The normals are drawn element by element (uniforms through the inverse normal CDF, ``ndtri``), not by ``randn``,
 whose CPU kernel transforms blocks of 16 values: a draw of 64 rows then equals draws of 32 + 32, or 17 + 47, so one
 batch of N and k micro-batches of N together draw the same noise on any split, an epoch's ragged last one included.
+A checkpoint of an earlier version, which drew by ``randn``, goes on drawing so (``draw``): it resumes as it ran.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import torch
 
 
 class NoiseStream:
+    DRAWS = ("ndtri", "randn")
+
     def __init__(self, seed: int) -> None:
         self.seed = seed
+        self.draw = "ndtri"  # each normal from its own uniform; "randn": an earlier version's checkpoint's
         self._generator: torch.Generator | None = None  # made on first use, on the module's device
         self._state: torch.Tensor | None = None  # from a checkpoint, applied when it is made
 
@@ -37,7 +41,11 @@ class NoiseStream:
         standard normals: every ``world``-th from ``rank`` on. A rank left with fewer there (one that repeats an example
         only to take the step, its weight 0) takes the draw's first rows."""
         generator = self._generator if self._generator is not None else self.generator(device)  # one call a draw
-        drawn = standard_normals(n * world if total is None else total, width, generator, device)
+        rows = n * world if total is None else total
+        if self.draw == "ndtri":
+            drawn = standard_normals(rows, width, generator, device)
+        else:
+            drawn = torch.randn(rows, width, generator=generator, device=device)
         mine = drawn[rank::world][:n]
         return mine if len(mine) == n else torch.cat([mine, drawn[: n - len(mine)]])
 
@@ -45,9 +53,10 @@ class NoiseStream:
         """The generator's state (a uint8 tensor: ``weights_only`` loads it), None before the first draw."""
         return self._generator.get_state() if self._generator is not None else None
 
-    def load(self, state: torch.Tensor | None) -> None:
-        """Continue from ``state`` (None: from the seed) at the next draw."""
+    def load(self, state: torch.Tensor | None, draw: str = "ndtri") -> None:
+        """Continue from ``state`` (None: from the seed) at the next draw, drawing as ``draw`` says."""
         self._generator, self._state = None, state
+        self.draw = draw if draw in self.DRAWS else "ndtri"
 
 
 def standard_normals(rows: int, width: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,9 @@ HISTORY_KEY = "multiloss_metrics_csv"  # its metrics.csv, continued by a resumed
 LR_KEY = "multiloss_learning_rates"  # each optimizer's RatePlan: configured rate × rule × schedule factor
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names the balancer was built for (built before the weights load)
 OLD_HEAD_COUNT_KEY = "multihead_heads"  # read only: multihead's head count in checkpoints older than TASKS_KEY
+STEP_KEY = "multiloss_step"  # how the step weighed its micro-batches (accumulation_mean): absent, an earlier version's
 NOISE_KEY = "gan_noise_state"  # the GAN's training-noise generator (a uint8 tensor: weights_only loads it)
+NOISE_DRAW_KEY = "gan_noise_draw"  # how it turns its numbers into normals: absent, an earlier version's (randn)
 D_STEPS_KEY = "gan_d_steps"  # the GAN's discriminator steps so far: its lazy penalty's phase
 G_STEPS_KEY = "gan_g_steps"  # the GAN's generator steps so far: its lazy path-length phase
 IMAGES_KEY = "gan_images_seen"  # the images D has trained on so far
@@ -50,7 +52,9 @@ SAVED_KEYS = (
     SavedKey(HISTORY_KEY, "multiloss.callbacks.run_record"),
     SavedKey(LR_KEY, "multiloss.base.learning_rate"),
     SavedKey(TASKS_KEY, "multiloss.base.multitask"),
+    SavedKey(STEP_KEY, "multiloss.base.module"),
     SavedKey(NOISE_KEY, "multiloss.recipes.gan"),
+    SavedKey(NOISE_DRAW_KEY, "multiloss.recipes.gan"),
     SavedKey(D_STEPS_KEY, "multiloss.recipes.gan"),
     SavedKey(G_STEPS_KEY, "multiloss.recipes.gan"),
     SavedKey(IMAGES_KEY, "multiloss.recipes.gan"),
