@@ -111,7 +111,9 @@ class DynamicWeightAverage(Balancer):
         self._host_epoch = epoch
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
-        return {"epoch_sum": self.epoch_sum.cpu(), "epoch_count": self.epoch_count.cpu()}
+        # In the buffers' dtype (float64 under 64-true): a sharded load copies the saved sums into these very tensors.
+        dtype = self.epoch_means.dtype
+        return {"epoch_sum": self.epoch_sum.to(dtype).cpu(), "epoch_count": self.epoch_count.to(dtype).cpu()}
 
     def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, torch.Tensor]:
         # The ranks' mean of the running sums: every rank resumes with it, and as the epoch's mean is
