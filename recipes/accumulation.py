@@ -90,8 +90,8 @@ class Accumulation(Recipe):
         count_exact: bool | None = None,  # earlier versions' key: model.accumulation_mean
         **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
-        count_exact_as_mean(count_exact, step_options)
         super().__init__(**step_options)
+        self.accumulation_mean = count_exact_as_mean(count_exact, self.accumulation_mean)
         require(
             base_batch_size >= 1,
             "base_batch_size",

@@ -157,7 +157,6 @@ class TruncatedBPTT(Recipe):
         count_exact: bool | None = None,  # earlier versions' key: model.accumulation_mean
         **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
-        count_exact_as_mean(count_exact, step_options)
         # An LSTM's gradient explodes now and then: clipped at 1.0 unless the config says otherwise.
         super().__init__(**{"gradient_clip_val": 1.0, **step_options})
         require(chunk_length >= 1, "chunk_length", chunk_length, "an integer ≥ 1 (tokens per chunk)")
@@ -195,6 +194,7 @@ class TruncatedBPTT(Recipe):
         self.save_hyperparameters(ignore=names_given_as_objects(net=net, optimizer=optimizer), logger=False)
         self.chunk_length, self.prompt = chunk_length, prompt
         self.carry_state = bool(carry_state)
+        self.accumulation_mean = count_exact_as_mean(count_exact, self.accumulation_mean)
         self.net = build_module(net, "net", vocab_size=len(self.vocab))
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.carried: Any = None  # carry_state: the detached state at the last training batch's end

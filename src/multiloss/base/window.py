@@ -86,13 +86,14 @@ def window_of(trainer: Any, batch_idx: int, k: int, counts: Counts) -> tuple[Win
     return window, batch_idx - first
 
 
-def count_exact_as_mean(count_exact: bool | None, step_options: dict[str, Any]) -> None:
-    """``model.count_exact`` of earlier versions (accumulation, tbptt; their checkpoints' hyper-parameters hold it) as
-    ``accumulation_mean`` in ``step_options``: true is ``examples``, false ``micro_batches``; said once."""
+def count_exact_as_mean(count_exact: bool | None, accumulation_mean: str) -> str:
+    """The ``accumulation_mean`` that ``model.count_exact`` of earlier versions (accumulation, tbptt; their checkpoints'
+    hyper-parameters hold it) says: true is ``examples``, false ``micro_batches``, said once; None:
+    ``accumulation_mean`` itself."""
     if count_exact is None:
-        return
+        return accumulation_mean
     from lightning.pytorch.utilities import rank_zero_warn
 
     mean = "examples" if count_exact else "micro_batches"
     rank_zero_warn(f"model.count_exact={str(bool(count_exact)).lower()} is model.accumulation_mean={mean} now")
-    step_options["accumulation_mean"] = mean
+    return mean
