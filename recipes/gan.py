@@ -64,15 +64,8 @@ from multiloss.gan.ema import GeneratorEMA
 from multiloss.gan.metrics import ValidationScores
 from multiloss.gan.metrics import check_options as check_quality_options
 from multiloss.gan.noise import NoiseStream
-from multiloss.gan.objectives import (
-    PAIRED,
-    correct_betas,
-    discriminator_loss,
-    lazy_ratio,
-    penalty,
-)
-from multiloss.gan.objectives import generator_loss as generator_loss_of
-from multiloss.gan.options import build_path_length, check_options, penalty_of
+from multiloss.gan.objectives import GANLoss, correct_betas, discriminator_loss, lazy_ratio, penalty
+from multiloss.gan.options import build_loss, build_path_length, check_options, penalty_of
 from multiloss.gan.phases import DMicroBatch, generator_steps_after
 from multiloss.gan.schedules import beta2_schedule, build_schedules, check_schedules
 from multiloss.parallel.ddp import synced
@@ -137,9 +130,9 @@ class GAN(Recipe):
         discriminator: Any,
         g_optimizer: Any = None,
         d_optimizer: Any = None,
-        loss: Literal["nonsaturating", "bce", "wgan-gp", "hinge", "lsgan", "relativistic"] = "nonsaturating",
+        loss: str | dict[str, Any] | GANLoss = "nonsaturating",  # a shipped spelling, or {_target_: <your GANLoss>}
         n_critic: int = 1,
-        penalty: str | list[str] = "none",
+        penalty: str | dict[str, Any] | list[Any] = "none",  # spellings, {_target_: <your GradientPenalty>}
         penalty_weight: float | list[float] = 0.0,
         penalty_every: int = 1,
         g_reg_every: int = 1,
@@ -159,9 +152,10 @@ class GAN(Recipe):
         **step_options: Any,  # the options of every recipe's step (multiloss.base.module.Recipe)
     ) -> None:
         super().__init__(**step_options)
-        penalties = penalty_of(to_plain(penalty), to_plain(penalty_weight), gp_weight)
+        objective = build_loss(to_plain(loss))
+        penalties, penalty_terms = penalty_of(to_plain(penalty), to_plain(penalty_weight), gp_weight)
         check_options(
-            loss=loss,
+            loss=objective,
             n_critic=n_critic,
             penalties=penalties,
             penalty_every=penalty_every,
@@ -177,13 +171,18 @@ class GAN(Recipe):
         generator, discriminator = to_plain(generator), to_plain(discriminator)
         g_optimizer, d_optimizer = to_plain(g_optimizer), to_plain(d_optimizer)
         given = names_given_as_objects(
-            generator=generator, discriminator=discriminator, g_optimizer=g_optimizer, d_optimizer=d_optimizer
+            generator=generator,
+            discriminator=discriminator,
+            g_optimizer=g_optimizer,
+            d_optimizer=d_optimizer,
+            loss=loss if isinstance(loss, GANLoss) else None,
         )
         self.save_hyperparameters(ignore=given, logger=False)
         self.g_optimizer_factory = build_optimizer_factory(g_optimizer, "g_optimizer")
         self.d_optimizer_factory = build_optimizer_factory(d_optimizer, "d_optimizer")
-        self.loss, self.n_critic = loss, n_critic
+        self.loss, self.n_critic = objective, n_critic  # a GANLoss (multiloss.gan.objectives)
         self.penalties, self.penalty_every = penalties, penalty_every  # name -> weight, in the order given
+        self.penalty_terms = penalty_terms  # name -> its GradientPenalty
         self.g_reg_every = g_reg_every
         self.latent_dim, self.n_plot_samples, self.noise_seed = latent_dim, n_plot_samples, noise_seed
         self.g_input, self.g_step_after, self.g_reals = g_input, g_step_after, g_reals
@@ -355,7 +354,9 @@ class GAN(Recipe):
         taken = self.penalties if with_penalty and self.penalty_every == 1 else {}
         observing = with_penalty and self.adaptive_augmentation  # ADA's r_t counts D's scores of the reals
         observe = (lambda scores: self.augment.observe_scores(scores, self._sum_over_ranks)) if observing else None
-        return discriminator_loss(self.loss, critic, real, fake, eps, taken, self.scaler(), observe, side)
+        return discriminator_loss(
+            self.loss, critic, real, fake, eps, taken, self.penalty_terms, self.scaler(), observe, side
+        )
 
     def scaler(self) -> Any:
         """The GradScaler under ``16-mixed`` (the penalty's input gradient is taken on scaled scores), else None."""
@@ -365,8 +366,8 @@ class GAN(Recipe):
         """G's loss through D (``real``: what the relativistic loss pairs with ``fake``), D called directly, not through
         its DDP wrapper: its weights are frozen for this step, no D gradient is expected (or all-reduced)."""
         critic = self.seen_by(self.discriminator) if self.training else self.discriminator
-        d_real = critic(real) if self.loss in PAIRED else None
-        return generator_loss_of(self.loss, critic(fake), d_real)
+        d_real = critic(real) if self.loss.paired else None
+        return self.loss.generator_loss(critic(fake), d_real)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """Samples for ``z``: from G_ema when ``g_ema`` is on (what validation, the sample plots, ``multiloss-eval``
@@ -421,7 +422,7 @@ class GAN(Recipe):
         # well, so D's backward stops at D's input whatever built them.
         with self.step_of(opt_d, batch_idx, components=("discriminator",), toggle=True) as d_step:
             fake = (kept if kept is not None else self.generator(z)).detach()
-            if self.loss == "bce":  # dcgan/main.py's order: D on the reals and its backward, then on the fakes
+            if self.loss.probabilities:  # dcgan/main.py's order: D on the reals and its backward, then on the fakes
                 # The first pair unsynced, its forward too (DDP decides a backward's sync at its forward); the second
                 # syncs the sum of both in .grad. R1 goes with the reals, GP and R2 with the fakes.
                 with self.parallelism.no_sync():
@@ -458,7 +459,7 @@ class GAN(Recipe):
             for micro in g_step.micro_batches(len(micro_batches)):
                 mine, everyone = micro_batches[micro]
                 fake = kept if kept is not None else self.generator_output(micro, max(mine, 1), everyone)
-                paired = (self._d_micro[micro].real if self._d_micro else real) if self.loss in PAIRED else None
+                paired = (self._d_micro[micro].real if self._d_micro else real) if self.loss.paired else None
                 g_loss = self.generator_loss(fake, paired)
                 g_step.backward(g_loss, micro=micro)
                 g_losses.append(g_loss.detach())
@@ -530,9 +531,10 @@ class GAN(Recipe):
                 total = 0
                 for name, weight in self.penalties.items():
                     critic = self.seen_by(synced(self, "discriminator"))
-                    if name == "r1" and self.adaptive_augmentation:
+                    term = self.penalty_terms[name]
+                    if term.at == "real" and self.adaptive_augmentation:
                         critic = self.augment.observing(critic, self._sum_over_ranks)
-                    value = penalty(name, critic, kept.real, kept.fake, kept.eps, self.scaler())
+                    value = penalty(term, critic, kept.real, kept.fake, kept.eps, self.scaler())
                     total = total + weight * value
                     values[name].append(value.detach())
                 reg.backward(self.penalty_every * total * weights[micro], scaled=True)

@@ -159,6 +159,29 @@ def build_callable(spec: Any, key: str) -> Callable[..., Any]:
     return obj
 
 
+def build_instance(spec: Any, key: str, base: type, spellings: Mapping[str, type], kind: str) -> Any:
+    """An instance of ``base`` (``kind``: its dotted name, for messages) from ``spec``: a shipped spelling (a key of
+    ``spellings``: its class, built without arguments), a config with a ``_target_`` (your subclass, from a
+    ``--config-dir``), or an instance given as is. An unknown spelling or a target of another kind is refused here,
+    where it is built, naming ``key``."""
+    accepted = f"one of {', '.join(spellings)}, or {{_target_: <a {kind} subclass>}}"
+    if isinstance(spec, str):
+        require(spec in spellings, key, spec, accepted)
+        return spellings[spec]()
+    if isinstance(spec, base):
+        return spec
+    require(is_config(spec), key, spec, accepted)
+    built = _instantiate(spec, key)
+    require(
+        isinstance(built, base),
+        f"{key}._target_",
+        spec["_target_"],
+        f"a {kind} subclass",
+        f"it built a {type(built).__name__}",
+    )
+    return built
+
+
 def build_optimizer_factory(spec: Any, key: str) -> OptimizerFactory | None:
     """``params -> Optimizer`` from a ``_partial_`` optimizer config (or a callable given as is); None stays None."""
     if spec is None or (callable(spec) and not isinstance(spec, Mapping)):

@@ -436,45 +436,62 @@ def gan_normals(n: int, width: int, generator: torch.Generator) -> torch.Tensor:
     return torch.special.ndtri(uniform.clamp(min=2.0**-53)).to(torch.get_default_dtype())
 
 
+DiscriminatorReference = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (D(x), D(G(z))) -> D's loss
+GeneratorReference = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (D(G(z)), D(x) | None) -> G's
+PenaltyReference = tuple[str, Callable[[torch.Tensor], torch.Tensor]]  # (where: real|fake|interpolates, ∇ₓD -> value)
+
+
 def discriminator_gradients(
     discriminator: nn.Module,
     real: torch.Tensor,
     fake: torch.Tensor,
-    loss: str = "nonsaturating",
-    penalty: str | dict[str, float] = "none",
+    loss: str | DiscriminatorReference = "nonsaturating",
+    penalty: str | Mapping[str, float] = "none",
     penalty_weight: float = 0.0,
     eps: torch.Tensor | None = None,
     prefix: str = "discriminator.",
+    penalty_references: Mapping[str, PenaltyReference] | None = None,
 ) -> Gradients:
     """D's step on detached fakes, written from the papers' formulas: nonsaturating −log σ(D(x)) − log(1 − σ(D(G(z))));
     wgan-gp D(G(z)) − D(x); hinge max(0, 1 − D(x)) + max(0, 1 + D(G(z))); lsgan ½(D(x) − 1)² + ½D(G(z))²;
     relativistic −log σ(D(x) − D(G(z))) row by row; + λ·(‖∇D(x̂)‖ − 1)² (gp), γ/2·‖∇D(x)‖² (r1) or γ/2·‖∇D(G(z))‖²
-    (r2). ``penalty``: one name at ``penalty_weight``, or several, name → weight (a GAN module's ``penalties``)."""
+    (r2). ``penalty``: one name at ``penalty_weight``, or several, name → weight (a GAN module's ``penalties``).
+
+    Your own loss: ``loss`` a function of D's scores (d_real, d_fake) → D's loss, written as your paper writes it
+    (not your `GANLoss`: a reference never calls the code it proves); your own penalty: its name in ``penalty`` and
+    ``penalty_references[name] = (at, value)``, ``at`` where ∇ₓD is taken (real, fake, interpolates at ε) and
+    ``value`` ∇ₓD → the penalty (a mean over the samples)."""
     D = copy.deepcopy(discriminator)
     D.zero_grad(set_to_none=True)
     fake = fake.detach()
     d_real, d_fake = D(real), D(fake)
-    total = {
-        "wgan-gp": lambda: d_fake.mean() - d_real.mean(),
-        "hinge": lambda: torch.clamp(1 - d_real, min=0).mean() + torch.clamp(1 + d_fake, min=0).mean(),
-        "lsgan": lambda: ((d_real - 1) ** 2).mean() / 2 + (d_fake**2).mean() / 2,
-        "relativistic": lambda: -torch.log(torch.sigmoid(d_real - d_fake)).mean(),
-        "nonsaturating": lambda: -torch.log(torch.sigmoid(d_real)).mean() - torch.log(1 - torch.sigmoid(d_fake)).mean(),
-    }[loss]()
-    penalties = penalty if isinstance(penalty, dict) else ({} if penalty == "none" else {penalty: penalty_weight})
+    formulas: dict[str, DiscriminatorReference] = {
+        "wgan-gp": lambda r, f: f.mean() - r.mean(),
+        "hinge": lambda r, f: torch.clamp(1 - r, min=0).mean() + torch.clamp(1 + f, min=0).mean(),
+        "lsgan": lambda r, f: ((r - 1) ** 2).mean() / 2 + (f**2).mean() / 2,
+        "relativistic": lambda r, f: -torch.log(torch.sigmoid(r - f)).mean(),
+        "nonsaturating": lambda r, f: -torch.log(torch.sigmoid(r)).mean() - torch.log(1 - torch.sigmoid(f)).mean(),
+    }
+    total = (formulas[loss] if isinstance(loss, str) else loss)(d_real, d_fake)
+    shipped: dict[str, PenaltyReference] = {
+        "gp": ("interpolates", lambda g: ((g.reshape(len(g), -1).pow(2).sum(dim=1).sqrt() - 1) ** 2).mean()),
+        "r1": ("real", lambda g: g.reshape(len(g), -1).pow(2).sum(dim=1).mean() / 2),
+        "r2": ("fake", lambda g: g.reshape(len(g), -1).pow(2).sum(dim=1).mean() / 2),
+    }
+    references = {**shipped, **(penalty_references or {})}
+    penalties = penalty if isinstance(penalty, Mapping) else ({} if penalty == "none" else {penalty: penalty_weight})
     for name, weight in penalties.items():
-        if name == "gp":
-            assert eps is not None, "the gradient penalty needs ε"
+        where, value = references[name]
+        if where == "interpolates":
+            assert eps is not None, "a penalty at interpolates needs ε"
             e = eps.reshape(-1, *[1] * (real.dim() - 1))
             at = e * real + (1 - e) * fake
         else:
-            at = real if name == "r1" else fake
+            at = real if where == "real" else fake
         at = at.detach().requires_grad_(True)
         scores = D(at)
         (grad,) = torch.autograd.grad(scores, at, grad_outputs=torch.ones_like(scores), create_graph=True)
-        norms = grad.reshape(len(grad), -1).pow(2).sum(dim=1)
-        value = ((norms.sqrt() - 1) ** 2).mean() if name == "gp" else norms.mean() / 2
-        total = total + weight * value
+        total = total + weight * value(grad)
     total.backward()
     return _grads(D, prefix)
 
@@ -483,24 +500,26 @@ def generator_gradients(
     generator: nn.Module,
     discriminator: nn.Module,
     z: torch.Tensor,
-    loss: str = "nonsaturating",
+    loss: str | GeneratorReference = "nonsaturating",
     real: torch.Tensor | None = None,
     prefix: str = "generator.",
 ) -> Gradients:
     """G's step through D (whose weights get no gradient): −log σ(D(G(z))); −D(G(z)) for wgan-gp and hinge;
-    ½(D(G(z)) − 1)² for lsgan; −log σ(D(G(z)) − D(x)) row by row for relativistic (``real``: the paired x)."""
+    ½(D(G(z)) − 1)² for lsgan; −log σ(D(G(z)) − D(x)) row by row for relativistic (``real``: the paired x). Your
+    own loss: a function (D(G(z)), D(x) or None) → G's loss (D(x) given where ``real`` is)."""
     G = copy.deepcopy(generator)
     D = copy.deepcopy(discriminator).requires_grad_(False)
     G.zero_grad(set_to_none=True)
     scores = D(G(z))
-    if loss in ("wgan-gp", "hinge"):
-        value = -scores.mean()
-    elif loss == "lsgan":
-        value = ((scores - 1) ** 2).mean() / 2
-    elif loss == "relativistic":
-        value = -torch.log(torch.sigmoid(scores - D(real))).mean()
-    else:
-        value = -torch.log(torch.sigmoid(scores)).mean()
+    d_real = D(real) if real is not None else None
+    formulas: dict[str, GeneratorReference] = {
+        "wgan-gp": lambda f, r: -f.mean(),
+        "hinge": lambda f, r: -f.mean(),
+        "lsgan": lambda f, r: ((f - 1) ** 2).mean() / 2,
+        "relativistic": lambda f, r: -torch.log(torch.sigmoid(f - r)).mean(),
+        "nonsaturating": lambda f, r: -torch.log(torch.sigmoid(f)).mean(),
+    }
+    value = (formulas[loss] if isinstance(loss, str) else loss)(scores, d_real)
     value.backward()
     return _grads(G, prefix)
 

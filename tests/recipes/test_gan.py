@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from multiloss import ConfigError, testing, train
 from multiloss.config import check_config
 from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
+from multiloss.gan.objectives import WassersteinGP
 from multiloss.gan.objectives import penalty as gan_penalty
 from multiloss.metrics import ModeCoverage
 from multiloss.nets import MLP
@@ -198,10 +199,12 @@ def test_multiloss_testing_references_prove_the_recipe(make_cfg, loss):
         (z, eps), (z_g, _) = testing.gan_noise(cfg.seed, BATCH, model.latent_dim, draws=2)
     with torch.no_grad():
         fake = model.generator(z)
-    d_grads = testing.discriminator_gradients(model.discriminator, real, fake, model.loss, model.penalties, eps=eps)
+    d_grads = testing.discriminator_gradients(
+        model.discriminator, real, fake, model.hparams.loss, model.penalties, eps=eps
+    )
     testing.assert_gradients_close(d_step, d_grads, atol=EXACT, rtol=EXACT)
     stepped_d = testing.sgd_step(model.discriminator, d_grads, lr, prefix="discriminator.")
-    g_grads = testing.generator_gradients(model.generator, stepped_d, z_g, model.loss, real=real)
+    g_grads = testing.generator_gradients(model.generator, stepped_d, z_g, model.hparams.loss, real=real)
     testing.assert_gradients_close(g_step, g_grads, atol=EXACT, rtol=EXACT)
 
 
@@ -221,7 +224,7 @@ def test_gradient_penalty_gradient_matches_finite_differences():
 
     def penalty(*weights):
         params = dict(zip(names, weights))
-        return gan_penalty("gp", lambda x: torch.func.functional_call(critic, params, (x,)), real, fake, eps)
+        return gan_penalty(WassersteinGP(), lambda x: torch.func.functional_call(critic, params, (x,)), real, fake, eps)
 
     weights = tuple(p.detach().clone().requires_grad_(True) for p in critic.parameters())
     assert penalty(*weights) > 0
@@ -239,7 +242,7 @@ def test_gradient_penalty_without_create_graph_gives_the_weights_no_gradient():
     (grad,) = torch.autograd.grad(critic(x_hat).sum(), x_hat)  # create_graph=False
     flat = ((grad.norm(dim=1) - 1) ** 2).mean()
     assert flat > 0 and not flat.requires_grad  # a number with no graph back to the weights
-    right = gan_penalty("gp", critic, real, fake, eps)
+    right = gan_penalty(WassersteinGP(), critic, real, fake, eps)
     grads = torch.autograd.grad(right, list(critic.parameters()), allow_unused=True)  # (the output bias: unused)
     assert sum(g.abs().sum() for g in grads if g is not None) > 0  # the real penalty does reach them
     torch.testing.assert_close(right, flat, atol=EXACT, rtol=EXACT)  # same value (float64), different gradient

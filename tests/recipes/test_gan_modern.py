@@ -654,7 +654,7 @@ def _tiny_scores_critic(device: str) -> torch.nn.Module:
 def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
     """Scaled scores, unscaled gradient: the same gradient as without a scaler (float32, CPU, bit for bit), and the
     penalty's gradient reaches D's weights through it."""
-    from multiloss.gan.objectives import input_gradient, penalty
+    from multiloss.gan.objectives import R1, input_gradient, penalty
 
     critic, x = _tiny_scores_critic("cpu"), torch.randn(32, 8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -663,7 +663,7 @@ def test_the_input_gradient_takes_a_scaler_as_amps_recipe_does():
     # Bit for bit: the scale 2¹⁶, the mean's 1/32 and the unscaling 32/2¹⁶ are powers of two, so every value of the
     # scaled backward is the plain one's × 2¹¹ exactly (all normal float32 numbers, ~1e-9 and up), on any CPU.
     assert torch.equal(scaled, plain)
-    value = penalty("r1", critic, x, x, scaler=scaler)
+    value = penalty(R1(), critic, x, x, scaler=scaler)
     assert torch.autograd.grad(value, critic[0].weight)[0].abs().sum() > 0
 
 

@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from multiloss import ConfigError, testing, train
 from multiloss.base.schedules import ImagesCurve
 from multiloss.config import check_config
-from multiloss.gan.objectives import discriminator_loss
+from multiloss.gan.objectives import R1, R2, Relativistic, discriminator_loss
 from multiloss.testing import default_dtype
 from tests.conftest import BARE, load_weights
 from tests.helpers import straight_and_resumed
@@ -136,7 +136,8 @@ def test_both_penalties_equal_r3gans_discriminator_loss(gamma):
     real, fake = torch.randn(16, 3, 8, 8, dtype=torch.float64), torch.randn(16, 3, 8, 8, dtype=torch.float64)
     reference = copy.deepcopy(D)
     AdversarialTraining(lambda z, c: fake, reference).AccumulateDiscriminatorGradients(None, real, None, gamma)
-    losses = discriminator_loss("relativistic", D, real, fake, None, {"r1": gamma, "r2": gamma})
+    terms = {"r1": R1(), "r2": R2()}
+    losses = discriminator_loss(Relativistic(), D, real, fake, None, {"r1": gamma, "r2": gamma}, terms)
     losses["d"].backward()
     for (name, p), q in zip(D.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=EXACT, rtol=0, msg=name)

@@ -305,6 +305,15 @@ _COMPARE = {
 }
 
 
+def _class_table(value: Any) -> bool:
+    """A dict of known keys to classes the source defines (the GAN's spellings): read entry by entry."""
+    return (
+        isinstance(value, dict)
+        and all(_known(k) for k in value)
+        and all(isinstance(v, _Callable) and isinstance(v.target, Definition) for v in value.values())
+    )
+
+
 def _known(value: Any) -> bool:
     """A value the reader may compute with: plain data (config values included), all of it known."""
     if value is UNKNOWN:
@@ -826,6 +835,9 @@ class _Frame:
             if isinstance(found, Definition) and not _is_property(found):
                 klass = _defining_class(owner.cls, name, within)
                 return _Bound(found, owner, klass) if klass is not None else UNKNOWN
+            if not isinstance(found, Definition) and isinstance(owner.cls, Definition) and owner.cls.is_class:
+                # A class attribute the instance's constructor did not set (a declared flag: ``needs_penalty``).
+                return self.reader.value_of(source.class_attribute(owner.cls, name))
             return UNKNOWN
         if isinstance(owner, _Super):
             return self.super_attribute(owner, name)
@@ -957,6 +969,8 @@ class _Frame:
                 and (_is_plain_data(left) or _is_plain_data(right))
             ):
                 pass  # `x is None` on plain values
+            elif isinstance(op, ast.In | ast.NotIn) and _known(left) and _class_table(right):
+                pass  # a spelling in a table of classes: its keys are known
             elif not (_known(left) and _known(right)):
                 return UNKNOWN
             try:
@@ -1031,11 +1045,16 @@ class _Frame:
                 result.update(spread)
             else:
                 result[self.expr(key)] = self.expr(value)
-        return result if _known(result) else UNKNOWN
+        if _known(result) or _class_table(result):
+            return result
+        return UNKNOWN
 
     def _Subscript(self, expr: ast.Subscript) -> Any:
         container = self.expr(expr.value)
         index = self.expr(expr.slice)
+        if _class_table(container) and _known(index):
+            # A table of the source's own classes (the GAN's spellings): the entry itself, known or not.
+            return container.get(index, UNKNOWN)
         if not (_known(container) and _known(index)) or inspect.isclass(container):
             return UNKNOWN
         try:
@@ -1105,6 +1124,7 @@ class _PureMethod:
     name: str
 
     def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        args = [list(a) if _class_table(a) else a for a in args]  # its keys (``", ".join(LOSSES)``)
         if not all(_known(a) for a in args) or not all(_known(v) for v in kwargs.values()):
             return UNKNOWN
         try:

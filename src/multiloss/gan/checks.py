@@ -7,7 +7,8 @@ from torch import nn
 
 from multiloss.component_check import call_component, describe_output
 from multiloss.config import ConfigError
-from multiloss.gan.options import shown
+from multiloss.gan.objectives import GANLoss
+from multiloss.gan.options import loss_name, shown
 
 _BATCH_NORMS = (
     nn.BatchNorm1d,
@@ -31,7 +32,7 @@ def check_networks(
     names: tuple[str, str],
     real: torch.Tensor,
     latent_dim: int,
-    loss: str,
+    loss: GANLoss,
     penalties: dict[str, float],
 ) -> None:
     """`ConfigError` naming ``model.generator`` or ``model.discriminator`` (``names``: their configs' names) when G's
@@ -61,12 +62,12 @@ def check_networks(
                 "a discriminator that returns one score per sample, shape (batch,) or (batch, 1)",
                 f"for {what} samples {describe_output(x)} it returned {describe_output(scores)}",
             )
-        if loss == "bce" and not bool(((scores >= 0) & (scores <= 1)).all()):
+        if loss.probabilities and not bool(((scores >= 0) & (scores <= 1)).all()):
             raise ConfigError(
                 "model.discriminator",
                 critic,
-                "a discriminator that ends in a Sigmoid (probabilities in [0, 1]) with model.loss=bce, or "
-                "model.loss=nonsaturating for one that returns logits (the same loss, on logits)",
+                f"a discriminator that ends in a Sigmoid (probabilities in [0, 1]) with model.loss={loss_name(loss)}, "
+                "or model.loss=nonsaturating for one that returns logits (the same loss, on logits)",
                 f"for {what} samples its scores reach {float(scores.min()):.3g}..{float(scores.max()):.3g}",
             )
     if penalties and (norms := batch_norms(discriminator)):

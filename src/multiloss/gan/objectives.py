@@ -15,7 +15,7 @@ scaler's skip stand.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +25,166 @@ from multiloss.config import ConfigError
 
 # --- the losses: D's terms (summed into D's loss) and G's loss, from D's scores -----------------------------
 
-LOSSES = ("nonsaturating", "bce", "wgan-gp", "hinge", "lsgan", "relativistic")
-# The losses whose G loss needs D's scores on real data too (one more D forward in G's step).
-PAIRED = ("relativistic",)
+
+class GANLoss:
+    """The contract of an adversarial loss: D's terms and G's loss from D's scores. Subclass it in a module of your
+    own and name it in ``model.loss: {_target_: mypkg.MyLoss, <its arguments>}`` (docs/extending.md); the shipped
+    spellings (`LOSSES`) name the shipped subclasses.
+
+    Hooks, each called by the GAN recipe (`multiloss.recipes.gan.GAN`) inside a step, on tensors with their graph:
+
+    - `real_term` ``(d_real) -> Tensor`` and `fake_term` ``(d_fake) -> Tensor``: D's term on its scores of the reals
+      and its term on its scores of the (detached) fakes — called by the default `discriminator_terms`. Override
+      them for a loss whose two sides are separate (every shipped loss but ``relativistic``).
+    - `discriminator_terms` ``(d_real, d_fake) -> {name: Tensor}``: D's loss as named terms (their sum is D's loss;
+      each is logged as ``loss/<name>``), called once per D micro-batch after D scored its reals and fakes. Default:
+      ``{"d_real": real_term(d_real), "d_fake": fake_term(d_fake)}``; a paired loss overrides it.
+    - `generator_loss` ``(d_fake, d_real) -> Tensor``: G's loss, called once per G micro-batch after D (frozen for
+      G's step) scored G's samples; ``d_real`` is D's scores of the paired reals when `paired`, else None.
+
+    Every value is a mean over the micro-batch (the recipe weighs micro-batches by their examples). Scores are what D
+    returns: one per sample, shape (b,) or (b, 1).
+
+    Declared flags (class attributes) that change what the recipe does around the hooks:
+    """
+
+    # True: D's and G's losses pair each generated sample with the real sample in its row (RpGAN): G's step scores
+    # the reals too (one more D forward), and ``model.g_reals=own_batch`` is allowed.
+    paired: ClassVar[bool] = False
+    # True: D returns probabilities in [0, 1] (a D ending in a Sigmoid), checked on a batch at setup; D's step then
+    # backwards the reals' term before it scores the fakes (dcgan/main.py's order). Needs separate sides.
+    probabilities: ClassVar[bool] = False
+    # True: D is a critic that needs a penalty to stay Lipschitz (WGAN): ``model.penalty=none`` is refused.
+    needs_penalty: ClassVar[bool] = False
+    # How messages write it (its shipped spelling); "" takes the class's name.
+    name: ClassVar[str] = ""
+
+    def real_term(self, d_real: torch.Tensor) -> torch.Tensor:
+        """D's term on its scores of the reals (a loss with separate sides)."""
+        raise NotImplementedError(f"{type(self).__qualname__} defines neither real_term nor discriminator_terms")
+
+    def fake_term(self, d_fake: torch.Tensor) -> torch.Tensor:
+        """D's term on its scores of the detached fakes (a loss with separate sides)."""
+        raise NotImplementedError(f"{type(self).__qualname__} defines neither fake_term nor discriminator_terms")
+
+    def discriminator_terms(self, d_real: torch.Tensor, d_fake: torch.Tensor) -> dict[str, torch.Tensor]:
+        """D's loss as named terms; default: ``d_real`` (`real_term`) and ``d_fake`` (`fake_term`)."""
+        return {"d_real": self.real_term(d_real), "d_fake": self.fake_term(d_fake)}
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        """G's loss from D's scores of G's samples (and, `paired`, of the paired reals)."""
+        raise NotImplementedError(f"{type(self).__qualname__} defines no generator_loss")
+
+    def __repr__(self) -> str:
+        return type(self).__qualname__
+
+
+class NonSaturating(GANLoss):
+    """Goodfellow et al. 2014, on logits: D −log σ(D(x)) − log(1 − σ(D(G(z)))), G −log σ(D(G(z))) (softplus)."""
+
+    name = "nonsaturating"
+
+    def real_term(self, d_real: torch.Tensor) -> torch.Tensor:
+        return F.softplus(-d_real).mean()
+
+    def fake_term(self, d_fake: torch.Tensor) -> torch.Tensor:
+        return F.softplus(d_fake).mean()
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        return F.softplus(-d_fake).mean()
+
+
+class BCE(GANLoss):
+    """The non-saturating loss on probabilities (a D ending in a Sigmoid): ``nn.BCELoss`` against 1 and 0 (DCGAN's
+    dcgan/main.py), D's reals backwarded before its fakes are scored."""
+
+    name = "bce"
+
+    probabilities = True
+
+    def real_term(self, d_real: torch.Tensor) -> torch.Tensor:
+        return bce(d_real, 1.0)
+
+    def fake_term(self, d_fake: torch.Tensor) -> torch.Tensor:
+        return bce(d_fake, 0.0)
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        return bce(d_fake, 1.0)
+
+
+class Wasserstein(GANLoss):
+    """Arjovsky et al. 2017; Gulrajani et al. 2017 (``wgan-gp``): D(G(z)) − D(x), the critic's Wasserstein estimate;
+    G −D(G(z)). Needs a penalty (``gp``, or r1/r2)."""
+
+    name = "wgan-gp"
+
+    needs_penalty = True
+
+    def real_term(self, d_real: torch.Tensor) -> torch.Tensor:
+        return -d_real.mean()
+
+    def fake_term(self, d_fake: torch.Tensor) -> torch.Tensor:
+        return d_fake.mean()
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        return -d_fake.mean()
+
+
+class Hinge(GANLoss):
+    """Lim & Ye 2017; Miyato et al. 2018: max(0, 1 − D(x)) + max(0, 1 + D(G(z))); G −D(G(z))."""
+
+    name = "hinge"
+
+    def real_term(self, d_real: torch.Tensor) -> torch.Tensor:
+        return F.relu(1 - d_real).mean()
+
+    def fake_term(self, d_fake: torch.Tensor) -> torch.Tensor:
+        return F.relu(1 + d_fake).mean()
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        return -d_fake.mean()
+
+
+class LeastSquares(GANLoss):
+    """Mao et al. 2017 (``lsgan``, a = 0, b = c = 1): ½(D(x) − 1)² + ½D(G(z))²; G ½(D(G(z)) − 1)²."""
+
+    name = "lsgan"
+
+    def real_term(self, d_real: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (d_real - 1).square().mean()
+
+    def fake_term(self, d_fake: torch.Tensor) -> torch.Tensor:
+        return 0.5 * d_fake.square().mean()
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        return 0.5 * (d_fake - 1).square().mean()
+
+
+class Relativistic(GANLoss):
+    """RpGAN (Jolicoeur-Martineau 2019; Huang et al. 2024, R3GAN): D softplus(D(G(z)) − D(x)), each generated sample
+    paired with the real sample in its row (one term, ``d_pair``); G softplus(D(x) − D(G(z)))."""
+
+    name = "relativistic"
+
+    paired = True
+
+    def discriminator_terms(self, d_real: torch.Tensor, d_fake: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"d_pair": F.softplus(d_fake - d_real).mean()}
+
+    def generator_loss(self, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
+        assert d_real is not None, "the relativistic loss pairs each generated sample with a real one"
+        return F.softplus(d_real - d_fake).mean()
+
+
+# The shipped spellings of ``model.loss`` (a `GANLoss` of your own: ``{_target_: ...}``).
+LOSSES: dict[str, type[GANLoss]] = {
+    "nonsaturating": NonSaturating,
+    "bce": BCE,
+    "wgan-gp": Wasserstein,
+    "hinge": Hinge,
+    "lsgan": LeastSquares,
+    "relativistic": Relativistic,
+}
 
 
 def bce(probabilities: torch.Tensor, label: float) -> torch.Tensor:
@@ -50,52 +207,67 @@ def bce(probabilities: torch.Tensor, label: float) -> torch.Tensor:
             ) from None
 
 
-def discriminator_terms(loss: str, d_real: torch.Tensor, d_fake: torch.Tensor) -> dict[str, torch.Tensor]:
-    """D's loss as named terms (their sum is D's loss), from its scores on real and (detached) fake samples.
-
-    - ``nonsaturating`` (Goodfellow et al. 2014): −log σ(D(x)) − log(1 − σ(D(G(z)))), written with softplus.
-    - ``bce``: the same on probabilities (a D ending in a Sigmoid), ``nn.BCELoss`` against 1 and 0 (DCGAN).
-    - ``wgan-gp`` (Arjovsky et al. 2017; Gulrajani et al. 2017): D(G(z)) − D(x), the critic's Wasserstein estimate.
-    - ``hinge`` (Lim & Ye 2017; Miyato et al. 2018): max(0, 1 − D(x)) + max(0, 1 + D(G(z))).
-    - ``lsgan`` (Mao et al. 2017, a = 0, b = c = 1): ½(D(x) − 1)² + ½D(G(z))².
-    - ``relativistic`` (RpGAN: Jolicoeur-Martineau 2019; Huang et al. 2024, R3GAN): softplus(D(G(z)) − D(x)), each
-      generated sample paired with the real sample in its row (one term, ``d_pair``).
-    All terms are means over the batch.
-    """
-    if loss == "wgan-gp":
-        return {"d_real": -d_real.mean(), "d_fake": d_fake.mean()}
-    if loss == "bce":
-        return {"d_real": bce(d_real, 1.0), "d_fake": bce(d_fake, 0.0)}
-    if loss == "hinge":
-        return {"d_real": F.relu(1 - d_real).mean(), "d_fake": F.relu(1 + d_fake).mean()}
-    if loss == "lsgan":
-        return {"d_real": 0.5 * (d_real - 1).square().mean(), "d_fake": 0.5 * d_fake.square().mean()}
-    if loss == "relativistic":
-        return {"d_pair": F.softplus(d_fake - d_real).mean()}
-    return {"d_real": F.softplus(-d_real).mean(), "d_fake": F.softplus(d_fake).mean()}
-
-
-def generator_loss(loss: str, d_fake: torch.Tensor, d_real: torch.Tensor | None = None) -> torch.Tensor:
-    """G's loss from D's scores on its samples (and, ``relativistic``, on the paired real samples).
-
-    ``nonsaturating``: −log σ(D(G(z))); ``bce``: BCELoss of D's probability against 1; ``wgan-gp`` and ``hinge``:
-    −D(G(z)); ``lsgan``: ½(D(G(z)) − 1)²; ``relativistic``: softplus(D(x) − D(G(z))). Means over the batch.
-    """
-    if loss == "bce":
-        return bce(d_fake, 1.0)
-    if loss in ("wgan-gp", "hinge"):
-        return -d_fake.mean()
-    if loss == "lsgan":
-        return 0.5 * (d_fake - 1).square().mean()
-    if loss == "relativistic":
-        assert d_real is not None, "the relativistic loss pairs each generated sample with a real one"
-        return F.softplus(d_real - d_fake).mean()
-    return F.softplus(-d_fake).mean()
-
-
 # --- the penalties on ∇ₓD ---------------------------------------------------------------------------------
 
-PENALTIES = ("gp", "r1", "r2", "none")
+
+class GradientPenalty:
+    """The contract of a penalty on D's input gradient ∇ₓD(x): where it is taken (`at`) and its value there
+    (`value`). Subclass it and name it in ``model.penalty: {_target_: mypkg.MyPenalty}`` (or in a list beside the
+    shipped spellings, `PENALTIES`); ``model.penalty_weight`` is its weight, ``model.penalty_every`` makes it lazy.
+
+    The recipe computes ∇ₓ Σ D(x) at the points `at` names with ``create_graph=True`` (the double backward; under
+    ``16-mixed`` with AMP's scale-then-unscale), calls `value` on it once per D micro-batch (or in the lazy step),
+    multiplies by the weight and adds 0·ΣD(x) (stylegan2-ada's ``real_logits * 0``: D's last bias gets a zero gradient,
+    DDP every gradient it waits for). A penalty needs each sample's own gradient: a D with BatchNorm is refused.
+    """
+
+    # Where ∇ₓD is taken: ``real`` (the data, R1: the scores D's loss was built from), ``fake`` (the detached
+    # generated samples, R2: likewise) or ``interpolates`` (x̂ = ε·x + (1 − ε)·G(z), one ε per sample from the
+    # training noise, WGAN-GP: one more D forward).
+    at: ClassVar[str] = "real"
+    # Its log key (``loss/<name>``) and its name in messages; "" takes the class's name in lower case.
+    name: ClassVar[str] = ""
+
+    def value(self, gradient: torch.Tensor) -> torch.Tensor:
+        """The penalty from ∇ₓD at the points (shape of the samples, graph kept): a scalar, a mean over the samples,
+        before its weight."""
+        raise NotImplementedError(f"{type(self).__qualname__} defines no value")
+
+    def key(self) -> str:
+        return self.name or type(self).__name__.lower()
+
+    def __repr__(self) -> str:
+        return type(self).__qualname__
+
+
+class WassersteinGP(GradientPenalty):
+    """Gulrajani et al. 2017 (``gp``): E[(‖∇D(x̂)‖₂ − 1)²] at x̂ = ε·x + (1 − ε)·G(z)."""
+
+    at, name = "interpolates", "gp"
+
+    def value(self, gradient: torch.Tensor) -> torch.Tensor:
+        return ((gradient.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+
+
+class R1(GradientPenalty):
+    """Mescheder et al. 2018 (``r1``): ½·E[‖∇D(x)‖²] on the data — so ``penalty_weight`` is the papers' γ
+    (stylegan2-ada's ``r1_gamma``: its ``loss_Dr1 = r1_penalty * (r1_gamma / 2)``)."""
+
+    at, name = "real", "r1"
+
+    def value(self, gradient: torch.Tensor) -> torch.Tensor:
+        return 0.5 * gradient.flatten(1).square().sum(dim=1).mean()
+
+
+class R2(R1):
+    """``r2``: ½·E[‖∇D(G(z))‖²] on the (detached) generated samples (R3GAN pairs it with R1)."""
+
+    at, name = "fake", "r2"
+
+
+# The shipped spellings of ``model.penalty`` (``none``: no penalty).
+PENALTIES: dict[str, type[GradientPenalty]] = {"gp": WassersteinGP, "r1": R1, "r2": R2}
+AT = ("real", "fake", "interpolates")
 
 
 def input_gradient(
@@ -125,86 +297,76 @@ def scores_gradient(scores: torch.Tensor, x: torch.Tensor, scaler: Any = None) -
     return grad * (n / scaler.get_scale())
 
 
-def squared_norm_penalty(scores: torch.Tensor, x: torch.Tensor, scaler: Any = None) -> torch.Tensor:
-    """R1's and R2's value from scores already computed from ``x`` (a leaf that requires grad): ½·E[‖∇ₓD‖²] + 0·ΣD
-    (see `penalty`)."""
-    grad = scores_gradient(scores, x, scaler)
-    return 0.5 * grad.flatten(1).square().sum(dim=1).mean() + 0 * scores.sum()
-
-
 def penalty(
-    kind: str,
+    term: GradientPenalty,
     critic: Callable[[torch.Tensor], torch.Tensor],
     real: torch.Tensor,
     fake: torch.Tensor,
     eps: torch.Tensor | None = None,
     scaler: Any = None,
+    scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The penalty's value, before its weight (the recipe multiplies by ``penalty_weight`` and the lazy gain).
-
-    - ``gp`` (Gulrajani et al. 2017): E[(‖∇D(x̂)‖₂ − 1)²] at x̂ = ε·x + (1 − ε)·G(z), one ε per sample.
-    - ``r1`` (Mescheder et al. 2018): ½·E[‖∇D(x)‖²] on the data — so that ``penalty_weight`` is the papers' γ
-      (stylegan2-ada's ``r1_gamma``: its ``loss_Dr1 = r1_penalty * (r1_gamma / 2)``).
-    - ``r2``: ½·E[‖∇D(G(z))‖²] on the (detached) generated samples (R3GAN pairs it with R1).
-
-    Plus 0·ΣD(x), stylegan2-ada's ``real_logits * 0``: D's last bias (which ∇ₓD does not depend on) gets a zero
-    gradient instead of none, so a step of the penalty alone (the lazy one) moves every weight by Adam's momentum
-    as stylegan2-ada's does, and DDP finds every gradient it waits for.
-    """
-    if kind == "gp":
-        assert eps is not None, "the gradient penalty needs ε"
+    """``term``'s value at its points (`GradientPenalty.at`), before its weight, plus 0·ΣD(x) (see `GradientPenalty`):
+    ``scores``: D's scores already computed from ``real`` or ``fake`` (a leaf that requires grad), which R1 and R2
+    differentiate instead of scoring again."""
+    if term.at == "interpolates":
+        assert eps is not None, "a penalty at interpolates needs ε"
         e = eps.view(-1, *[1] * (real.dim() - 1))  # one ε per sample, whatever the sample's shape
-        x_hat = e * real + (1 - e) * fake
-        grad, scores = input_gradient(critic, x_hat, scaler)
-        return ((grad.flatten(1).norm(2, dim=1) - 1) ** 2).mean() + 0 * scores.sum()
-    x = (real if kind == "r1" else fake).detach().requires_grad_(True)
-    return squared_norm_penalty(critic(x), x, scaler)
+        x = (e * real + (1 - e) * fake).detach().requires_grad_(True)
+        scores = None
+    else:
+        x = real if term.at == "real" else fake
+        if scores is None:
+            x = x.detach().requires_grad_(True)
+    if scores is None:
+        scores = critic(x)
+    return term.value(scores_gradient(scores, x, scaler)) + 0 * scores.sum()
 
 
 def discriminator_loss(
-    loss: str,
+    loss: GANLoss,
     critic: Callable[[torch.Tensor], torch.Tensor],
     real: torch.Tensor,
     fake: torch.Tensor,
     eps: torch.Tensor | None,
     penalties: dict[str, float],
+    terms: dict[str, GradientPenalty],
     scaler: Any = None,
     observe_real: Callable[[torch.Tensor], None] | None = None,
     side: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """D's loss ``d`` and its terms (`discriminator_terms`), plus each of ``penalties`` (gp, r1, r2 → its weight)
-    times its weight; ``observe_real``: told D's scores of the reals (ADA's r_t).
+    """D's loss ``d`` and its terms (`GANLoss.discriminator_terms`), plus each of ``penalties`` (name → weight; its
+    `GradientPenalty` in ``terms``) times its weight; ``observe_real``: told D's scores of the reals (ADA's r_t).
 
-    R1 and R2 differentiate the very scores the loss is built from (stylegan2-ada's ``Dboth`` phase, R3GAN's step,
-    which takes both: ``Trainer.py`` 28-42, γ/2·(R1 + R2)): one D forward of the reals and one of the fakes, so with
-    augmentation on each penalty is taken at the augmentation D's loss saw, not at another draw. (GP scores its own
-    interpolates.)
+    A penalty at the reals or the fakes differentiates the very scores the loss is built from (stylegan2-ada's
+    ``Dboth`` phase, R3GAN's step, which takes both: ``Trainer.py`` 28-42, γ/2·(R1 + R2)): one D forward of the reals
+    and one of the fakes, so with augmentation on each penalty is taken at the augmentation D's loss saw, not at
+    another draw. (A penalty at interpolates scores its own.)
 
-    ``side``: ``real`` or ``fake`` for one side alone (its terms, its penalties: R1 the reals', GP and R2 the
-    fakes'), so a loop can backward each side before scoring the other (dcgan/main.py's order, ``loss=bce``).
+    ``side``: ``real`` or ``fake`` for one side alone (its term, its penalties: those at the reals with the reals, the
+    others with the fakes), so a loop can backward each side before scoring the other (dcgan/main.py's order, a
+    `GANLoss.probabilities` loss).
     """
     if side is not None:
-        assert loss == "bce", "one side at a time is the two-term BCE's (the other losses pair the sides)"
-        penalties = {n: w for n, w in penalties.items() if (n == "r1") == (side == "real")}
-    if "r1" in penalties:
+        penalties = {n: w for n, w in penalties.items() if (terms[n].at == "real") == (side == "real")}
+    at = {terms[name].at for name in penalties}
+    if "real" in at:
         real = real.detach().requires_grad_(True)
-    if "r2" in penalties:
+    if "fake" in at:
         fake = fake.detach().requires_grad_(True)
     d_real = critic(real) if side != "fake" else None
     if observe_real is not None and d_real is not None:
         observe_real(d_real)
     d_fake = critic(fake) if side != "real" else None
     if side is None:
-        losses = discriminator_terms(loss, d_real, d_fake)
+        losses = loss.discriminator_terms(d_real, d_fake)
     else:
-        losses = {"d_real": bce(d_real, 1.0)} if side == "real" else {"d_fake": bce(d_fake, 0.0)}
+        losses = {"d_real": loss.real_term(d_real)} if side == "real" else {"d_fake": loss.fake_term(d_fake)}
     total = sum(losses.values())
     for name, weight in penalties.items():
-        if name == "gp":
-            losses["gp"] = penalty("gp", critic, real, fake, eps, scaler)
-        else:
-            scores, x = (d_real, real) if name == "r1" else (d_fake, fake)
-            losses[name] = squared_norm_penalty(scores, x, scaler)
+        term = terms[name]
+        scores = {"real": d_real, "fake": d_fake}.get(term.at)
+        losses[name] = penalty(term, critic, real, fake, eps, scaler, scores)
         total = total + weight * losses[name]
     return {**losses, "d": total}
 

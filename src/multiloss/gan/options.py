@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from multiloss.components import build_instance
 from multiloss.config import require, require_options
-from multiloss.gan.objectives import LOSSES, PAIRED, PENALTIES
+from multiloss.gan.objectives import AT, LOSSES, PENALTIES, GANLoss, GradientPenalty, WassersteinGP
 from multiloss.gan.path_length import PathLength
 
 G_INPUTS = ("fresh", "same_fakes", "same_z")
 G_STEPS_AFTER = ("last", "first", "before")
 
 
-def penalty_of(penalty: Any, penalty_weight: Any, gp_weight: float | None) -> dict[str, float]:
-    """The penalties taken, each with its weight, in the order given: ``penalty`` one of `PENALTIES` or a list of
-    them (R3GAN's ``[r1, r2]``), ``penalty_weight`` one number for each or a list as long (γ for r1/r2, λ for gp).
-    Older runs' one-key form too: ``gp_weight=λ`` was ``penalty=gp`` at λ (0: none), read from their checkpoints'
+def penalty_of(
+    penalty: Any, penalty_weight: Any, gp_weight: float | None
+) -> tuple[dict[str, float], dict[str, GradientPenalty]]:
+    """The penalties taken, each with its weight, in the order given, and each built (name → `GradientPenalty`):
+    ``penalty`` one of `PENALTIES`, a ``{_target_: ...}`` config of a penalty of your own, or a list of them (R3GAN's
+    ``[r1, r2]``), ``penalty_weight`` one number for each or a list as long (γ for r1/r2, λ for gp). Older runs'
+    one-key form too: ``gp_weight=λ`` was ``penalty=gp`` at λ (0: none), read from their checkpoints'
     hyper-parameters.
 
     Raises:
-        ConfigError: a name not in `PENALTIES` or given twice, ``none`` beside another, a weight that is not a
-            positive number (≥ 0 with none), a list of weights of another length.
+        ConfigError: an unknown name, a target that is not a `GradientPenalty` (or is taken at no place it names), a
+            penalty given twice, ``none`` beside another, a weight that is not a positive number (≥ 0 with none), a
+            list of weights of another length.
     """
     if gp_weight is not None:
         require(
@@ -29,21 +34,26 @@ def penalty_of(penalty: Any, penalty_weight: Any, gp_weight: float | None) -> di
             gp_weight,
             f"unset with model.penalty={penalty} (gp_weight=<λ> is model.penalty=gp model.penalty_weight=<λ>)",
         )
-        return {"gp": float(gp_weight)} if gp_weight else {}
-    names = list(penalty) if isinstance(penalty, list | tuple) else [penalty]
-    for name in names:
-        require(name in PENALTIES, "penalty", penalty, f"one of {', '.join(PENALTIES)}, or a list of them ([r1, r2])")
-    require(len(set(names)) == len(names), "penalty", penalty, "each penalty once")
-    if names == ["none"] or not names:
+        return ({"gp": float(gp_weight)}, {"gp": WassersteinGP()}) if gp_weight else ({}, {})
+    entries = list(penalty) if isinstance(penalty, list | tuple) else [penalty]
+    for entry in entries:
+        require(
+            not isinstance(entry, str) or entry in PENALTIES or entry == "none",
+            "penalty",
+            penalty,
+            f"one of {', '.join(PENALTIES)}, none, {{_target_: <a GradientPenalty subclass>}}, or a list of them "
+            "([r1, r2])",
+        )
+    if entries == ["none"] or not entries:
         require(_is_number(penalty_weight) and penalty_weight >= 0, "penalty_weight", penalty_weight, "a number ≥ 0")
-        return {}
-    require("none" not in names, "penalty", penalty, "none alone, or a list of gp, r1, r2")
-    weights = list(penalty_weight) if isinstance(penalty_weight, list | tuple) else [penalty_weight] * len(names)
+        return {}, {}
+    require("none" not in entries, "penalty", penalty, "none alone, or a list of penalties (gp, r1, r2, yours)")
+    weights = list(penalty_weight) if isinstance(penalty_weight, list | tuple) else [penalty_weight] * len(entries)
     require(
-        len(weights) == len(names),
+        len(weights) == len(entries),
         "penalty_weight",
         penalty_weight,
-        f"one number for every penalty, or a list of {len(names)} (one per penalty in model.penalty={penalty})",
+        f"one number for every penalty, or a list of {len(entries)} (one per penalty in model.penalty={penalty})",
     )
     for weight in weights:
         require(
@@ -52,7 +62,31 @@ def penalty_of(penalty: Any, penalty_weight: Any, gp_weight: float | None) -> di
             penalty_weight,
             f"a positive number with penalty={penalty} (λ for gp, γ for r1/r2: γ/2·E‖∇D‖²), or model.penalty=none",
         )
-    return {name: float(weight) for name, weight in zip(names, weights)}
+    built = [
+        build_instance(entry, "penalty", GradientPenalty, PENALTIES, "multiloss.gan.objectives.GradientPenalty")
+        for entry in entries
+    ]
+    terms = {term.key(): term for term in built}
+    require(len(terms) == len(built), "penalty", penalty, "each penalty once")
+    for term in built:
+        require(
+            term.at in AT,
+            "penalty",
+            penalty,
+            f"penalties taken at {', '.join(AT)} ({type(term).__qualname__}.at is {term.at!r})",
+        )
+    return {name: float(weight) for name, weight in zip(terms, weights)}, terms
+
+
+def build_loss(loss: Any) -> GANLoss:
+    """``model.loss``: a shipped spelling (`LOSSES`), a ``{_target_: ...}`` config of a `GANLoss` of your own, or one
+    given as is; anything else refused naming ``loss``."""
+    return build_instance(loss, "loss", GANLoss, LOSSES, "multiloss.gan.objectives.GANLoss")
+
+
+def loss_name(loss: GANLoss) -> str:
+    """How messages write ``model.loss``: its shipped spelling, or its class."""
+    return loss.name or type(loss).__qualname__
 
 
 def _is_number(value: Any) -> bool:
@@ -68,7 +102,7 @@ def shown(penalties: dict[str, float]) -> str:
 
 def check_options(
     *,
-    loss: str,
+    loss: GANLoss,
     n_critic: int,
     penalties: dict[str, float],
     penalty_every: int,
@@ -90,12 +124,11 @@ def check_options(
         ("g_reg_every", g_reg_every),
     ):
         require(isinstance(value, int) and value >= 1, key, value, "an integer ≥ 1")
-    require(loss in LOSSES, "loss", loss, ", ".join(LOSSES))
     require(
-        loss != "wgan-gp" or bool(penalties),
+        not loss.needs_penalty or bool(penalties),
         "penalty",
         "none",
-        "gp (or r1/r2) with loss=wgan-gp (the Wasserstein critic needs a penalty to stay Lipschitz: "
+        f"gp (or r1/r2) with loss={loss_name(loss)} (the Wasserstein critic needs a penalty to stay Lipschitz: "
         "model.penalty=gp model.penalty_weight=0.1), or another model.loss",
     )
     require(
@@ -110,7 +143,7 @@ def check_options(
     require(g_reals in ("d_batch", "own_batch"), "g_reals", g_reals, "d_batch or own_batch")
     require(
         g_reals == "d_batch"
-        or (loss in PAIRED and n_critic == 1 and accumulate_grad_batches == 1 and g_step_after == "last"),
+        or (loss.paired and n_critic == 1 and accumulate_grad_batches == 1 and g_step_after == "last"),
         "g_reals",
         g_reals,
         "d_batch, or own_batch with model.loss=relativistic, model.n_critic=1, model.accumulate_grad_batches=1 and "
