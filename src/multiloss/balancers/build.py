@@ -13,7 +13,7 @@ from typing import Any
 from hydra.utils import get_object
 from torch import nn
 
-from multiloss.balancers.protocol import Balancer
+from multiloss.balancers.protocol import Balancer, GradientBalancer
 from multiloss.balancers.weighting import Fixed
 from multiloss.components import build_module
 from multiloss.config import require
@@ -39,17 +39,28 @@ def combines_gradients(spec: dict[str, Any] | None) -> bool:
     """Whether the balancer of config ``spec`` combines the tasks' gradients (a `GradientBalancer`)."""
     if isinstance(spec, Balancer):  # given as an object
         return spec.combines_gradients
+    cls = _balancer_class(spec)
+    return cls is not None and cls.combines_gradients
+
+
+def _balancer_class(spec: Any) -> type[Balancer] | None:
+    """The `Balancer` subclass a config names (None: no target, or a target of another kind: refused when built)."""
     target = _target(spec)
-    return target is not None and getattr(get_object(target), "combines_gradients", False)
+    cls = get_object(target) if target is not None else None
+    return cls if isinstance(cls, type) and issubclass(cls, Balancer) else None
 
 
 def _scope(spec: Any) -> str:
     """A gradient rule's ``scope`` (``rank`` unless set), from its config or the balancer given as an object."""
-    return spec.get("scope", "rank") if isinstance(spec, dict) else getattr(spec, "scope", "rank")
+    if isinstance(spec, dict):
+        return spec.get("scope", "rank")
+    return spec.scope if isinstance(spec, GradientBalancer) else "rank"
 
 
 def _rep_grad(spec: Any) -> bool:
-    return (spec.get("rep_grad") if isinstance(spec, dict) else getattr(spec, "rep_grad", None)) is not None
+    return (
+        spec.get("rep_grad") if isinstance(spec, dict) else spec.rep_grad if isinstance(spec, Balancer) else None
+    ) is not None
 
 
 def _target(spec: Any) -> str | None:
@@ -77,6 +88,5 @@ def check_sharded_balancer(spec: dict[str, Any] | None, accumulate_grad_batches:
         "the sharded rule reduce-scatters each task's gradient of a micro-batch that steps; micro-batches that "
         "do not step keep whole gradients",
     )
-    check = getattr(get_object(_target(spec)), "check_sharded_rule", None) if _target(spec) else None
-    if check is not None:
-        check(spec)
+    if (cls := _balancer_class(spec)) is not None:
+        cls.check_sharded_rule(spec)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -236,8 +236,8 @@ class JacobianDescent(GradientBalancer):
         own = alpha if self.heads_weighted else ones
         return alpha, own, None
 
-    @staticmethod
-    def check_sharded_rule(spec: dict[str, Any]) -> None:
+    @classmethod
+    def check_sharded_rule(cls, spec: Mapping[str, Any]) -> None:
         """Refuse, before the run starts, an aggregator the sharded rule (``scope=global`` under FSDP2) cannot run."""
         from hydra.utils import instantiate
 

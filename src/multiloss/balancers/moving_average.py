@@ -16,7 +16,7 @@ They need the gradients themselves, not their Gramian: under FSDP2 the net is he
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,8 +78,8 @@ class _MovingAverage(GradientBalancer):
     def _load_more(self, state: dict[str, Any]) -> None:
         pass
 
-    @staticmethod
-    def check_sharded_rule(spec: dict[str, Any]) -> None:
+    @classmethod
+    def check_sharded_rule(cls, spec: Mapping[str, Any]) -> None:
         require(
             False,
             "model.balancer.scope",

@@ -29,17 +29,34 @@ REP_GRAD = (None, "batch", "samples")
 
 
 class Balancer(nn.Module):
-    """Maps a step's task losses to the weights of one backward, plus an optional term of its own.
+    """Maps a step's task losses to the weights of one backward, plus an optional term of its own — or, a gradient
+    balancer (``combines_gradients``, most easily a `GradientBalancer`), combines the tasks' gradients itself.
 
-    ``tasks``: the task names, in the order of the loss vector; ``base``: the configured weights cᵢ.
+    Write your own as a subclass in a module of your own and name it in ``model.balancer: {_target_: ...}`` from a
+    ``--config-dir`` (docs/extending.md). The multi-task recipes run the hooks below in this order each step
+    (`balance`): `start_epoch`, `weights`, `extra`, then for a gradient balancer `surrogate` (or `draw_surrogate`);
+    after the optimizer step `after_step`; at a checkpoint `checkpoint_extra_state`.
+
+    Constructor arguments the recipe injects (each given only where your ``__init__`` takes it and the config leaves
+    it out; `multiloss.base.multitask.MultiTaskRecipe.passed_to_components`):
+
+    - ``tasks``: the task names, in the order of the loss vector (``model.tasks``' keys);
+    - ``base``: the configured weights cᵢ, one per task (``model.head_weights``, or 1);
+    - ``net``: the recipe's network (``model.net`` built), for a rule that hooks its layers or resolves names.
+
+    Every other argument comes from the config node. A ``require(...)`` in ``__init__`` names a bad value as
+    ``model.balancer.<argument>`` before any step or write. State: parameters and buffers are checkpointed as any
+    module's; state that is not a tensor goes through ``get_extra_state``/``set_extra_state``.
     """
 
+    # --- declared flags: each changes what the recipe does around the hooks ---------------------------------------
     adaptive = True  # its weights change: the recipe logs them as weight/<task>
     combines_gradients = False  # True: the recipe backwards its `surrogate` instead of the weighted losses
     shared: list[str] | None = None  # the names of the layers its rule works on (None: found)
     after_step_update = False  # True: it learns from the step's losses recomputed after the step (`after_step`)
-    batches_per_step = 1  # > 1: its rule sees that many independent draws of each batch (SDMGrad, MoDo: 3)
+    batches_per_step = 1  # > 1: its rule sees that many independent draws of each batch (`draw_surrogate`)
     weights_set_by_rule = False  # True: its gradient rule updates the weights it reports (MoCo's λ): read after it
+    rep_grad: str | None = None  # a gradient rule on the representation's gradients (`GradientBalancer`), not weights'
 
     def release(self) -> None:
         """Let go of the net (hooks a rule put on it): a balancer built only to check a checkpoint's state."""
@@ -80,6 +97,23 @@ class Balancer(nn.Module):
         found). The recipe backwards the result as its one loss.
         """
         raise NotImplementedError
+
+    def draw_surrogate(
+        self,
+        draws: Sequence[Sequence[torch.Tensor]],
+        params: Sequence[nn.Parameter],
+        shared: Sequence[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
+        """`surrogate` of a rule that sees ``batches_per_step`` > 1 independent draws of the batch (SDMGrad, MoDo):
+        ``draws`` holds each draw's K task losses (the batch split in that many equal parts). Called instead of
+        `surrogate` every step; required where ``batches_per_step`` > 1."""
+        raise NotImplementedError(f"{type(self).__qualname__} sets batches_per_step > 1 and defines no draw_surrogate")
+
+    @classmethod
+    def check_sharded_rule(cls, spec: Mapping[str, Any]) -> None:
+        """Refuse (`multiloss.config.require`), before the run starts, a config of this balancer that the rule on the
+        shards (``scope=global`` under FSDP2: `multiloss.balancers.sharded_rule`) cannot run. Called with the
+        balancer's config node for a gradient balancer at ``scope=global`` under FSDP2; default: accepts."""
 
     def after_step(self, losses: torch.Tensor) -> None:
         """Called after an optimizer step (on every rank) with the step's last micro-batch's task losses recomputed by
@@ -222,7 +256,7 @@ def balance(
     if not balancer.combines_gradients:
         return balanced
     shared = shared_parameters(balancer, net)
-    on_representation = getattr(balancer, "rep_grad", None) is not None  # no parameter's gradient: shards as they are
+    on_representation = balancer.rep_grad is not None  # no parameter's gradient: shards as they are
     if parallelism.sharded and "net" not in parallelism.held and not on_representation:  # the rule on the shards
         apply_sharded_rule(net, balancer, list(losses.values()), backward, sum_over_ranks, shared)
         balanced.backwarded = True

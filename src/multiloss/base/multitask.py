@@ -69,9 +69,10 @@ class MultiTaskRecipe(Recipe):
         from hydra.utils import get_class
 
         target = self.balancer_spec.get("_target_") if isinstance(self.balancer_spec, dict) else None
-        parts = getattr(self.balancer, "batches_per_step", None) or (
-            getattr(get_class(target), "batches_per_step", 1) if isinstance(target, str) else 1
+        cls = (
+            type(self.balancer) if self.balancer is not None else get_class(target) if isinstance(target, str) else None
         )
+        parts = cls.batches_per_step if isinstance(cls, type) and issubclass(cls, Balancer) else 1
         data = getattr(trainer, "datamodule", None)
         size, drop_last = getattr(data, "batch_size", None), getattr(data, "drop_last", True)
         if parts > 1 and isinstance(size, int):
@@ -123,7 +124,7 @@ class MultiTaskRecipe(Recipe):
         """The task losses ``losses_of`` gives for ``batch``; for a balancer that sees several independent draws a
         step (SDMGrad, MoDo: ``batches_per_step`` 3, LibMTL's three batches), the batch split into that many equal
         parts along its first dimension, each part's losses (a mean over its own examples)."""
-        parts = getattr(self.balancer, "batches_per_step", 1)
+        parts = self.balancer.batches_per_step
         if parts == 1:
             return losses_of(batch)
         size = len(next(iter(batch.values())))
