@@ -176,3 +176,17 @@ def test_an_option_file_whose_package_line_is_not_first_is_named_as_such(project
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "this option landed at the top level of the config" in proc.stderr
     assert "whose first line is `# @package model.net`" in proc.stderr
+
+
+def test_the_extending_pages_code_is_the_examples_code():
+    """docs/extending.md shows the example package's methods and proof: each block that names a file under examples/
+    is a verbatim part of that file (the test that runs the file then runs what the page shows)."""
+    shown = [
+        (where, body)
+        for where, language, body in ALL
+        if where.startswith("extending.md") and (named_file(body) or "").startswith("examples/")
+    ]
+    assert len(shown) >= 5, shown
+    for where, body in shown:
+        name, code = body.split("\n", 1)
+        assert code in (ROOT / name.removeprefix("# ")).read_text(), where

@@ -21,10 +21,14 @@ from torch import nn
 
 from multiloss.balancers.layer_gramian import LayerGramian, reached
 from multiloss.balancers.sharded_rule import apply_sharded_rule
-from multiloss.balancers.task_gradients import TaskGradients, select_parameters, task_gradients
+from multiloss.balancers.task_gradients import TaskGradients, gradient_surrogate, select_parameters, task_gradients
 from multiloss.config import require
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 REP_GRAD = (None, "batch", "samples")
 
 
@@ -67,6 +71,7 @@ class Balancer(nn.Module):
         # Not persistent: the configured weights come from the config, not from the checkpoint.
         self._base_values = [float(b) for b in base]
         self.register_buffer("base", torch.tensor(self._base_values), persistent=False)
+        self.over_ranks: Reduce = _same  # the mean over the ranks, handed over by `start_epoch` (one device: itself)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Balancer:
         # Cast to float64 (a 64-true run), the configured weights are made again from the config's numbers: a float32
@@ -123,8 +128,11 @@ class Balancer(nn.Module):
         """Called before each training batch with the epoch it belongs to; ``reduce`` averages over the ranks.
 
         At a batch, not at an epoch's end: a checkpoint taken at an epoch's end is saved before the
-        module's epoch-end hook runs, and a run resumed from it never calls that hook.
+        module's epoch-end hook runs, and a run resumed from it never calls that hook. Default: keeps ``reduce`` as
+        ``self.over_ranks``, so that `weights` can take the global batch's losses (``self.over_ranks(losses)``: one
+        all-reduce of K numbers) and be the same on every rank and every shape.
         """
+        self.over_ranks = reduce
 
     def checkpoint_extra_state(self, reduce: Reduce) -> dict[str, torch.Tensor] | None:
         """The extra state a checkpoint should hold instead of this rank's own (None: this rank's).
@@ -494,8 +502,19 @@ class GradientBalancer(Balancer):
         return [c.to(loss.dtype) * loss for c, loss in zip(self.base, losses)]
 
     def combine(self, grads: TaskGradients, losses: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The surrogate loss (`task_gradients.gradient_surrogate`) of this step's tasks' gradients."""
-        raise NotImplementedError
+        """The surrogate loss (`task_gradients.gradient_surrogate`) of this step's tasks' gradients, called each step
+        where the rule takes the K gradients themselves (``gramian=gradients``, ``scope=global`` on whole gradients,
+        or a rule that needs more than their Gramian). Default: `gramian_rule` on the K gradients' Gramian — so a
+        rule that needs only the Gramian defines `gramian_rule` alone."""
+        if not self.rule_is_gramian():
+            raise NotImplementedError(f"{type(self).__qualname__} defines neither combine nor gramian_rule")
+        wide = grads.vectors.double() if grads.vectors.dtype == torch.float64 else grads.vectors.float()
+        rule = self.gramian_rule(wide @ wide.T, losses)
+        vector = rule.shared.to(grads.vectors.dtype).detach() @ grads.vectors
+        own = rule.own.detach()
+        scaled = [(p, g * own[task].to(g.dtype), task) for p, g, task in grads.own]
+        surrogate = gradient_surrogate(TaskGradients(grads.shared, vector, scaled), vector)
+        return surrogate if rule.extra is None else surrogate + rule.extra
 
     def gramian_rule(self, gramian: torch.Tensor, losses: Sequence[torch.Tensor]) -> GramianRule:
         """This step's rule from the tasks' Gramian on the shared parameters (gᵢ·gⱼ): what `combine` does, as
