@@ -39,7 +39,7 @@ import torch
 from omegaconf import open_dict
 
 from multiloss import testing, train
-from multiloss.metrics import LOWER_IS_BETTER, delta_p
+from multiloss.base.metrics import LOWER_IS_BETTER, delta_p
 
 BALANCERS = tuple(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs/balancer").glob("*.yaml")))
 QUIET = (

@@ -34,11 +34,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from multiloss.base.lr_scaling import effective_batch_size, lr_factor
 from multiloss.base.module import Recipe
 from multiloss.base.window import count_exact_as_mean
-from multiloss.batches import require_keys
+from multiloss.building.checks import call_component, check_class_labels, describe_batch, describe_output
+from multiloss.building.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.callbacks import JsonRecord
-from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
+from multiloss.data.batches import require_keys
 
 
 class Accumulation(Recipe):

@@ -54,10 +54,10 @@ from multiloss.base.module import Recipe
 from multiloss.base.precision import grad_scaler
 from multiloss.base.step import ends_optimizer_step, step_schedules
 from multiloss.base.window import Window
-from multiloss.batches import require_keys
+from multiloss.building.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.callbacks import GeneratedSamplesPlot
-from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import require
+from multiloss.data.batches import require_keys
 from multiloss.gan.augment import build_augment
 from multiloss.gan.checks import check_networks
 from multiloss.gan.ema import GeneratorEMA

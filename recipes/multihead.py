@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss.base.multitask import MultiTaskRecipe, mean_losses
-from multiloss.batches import require_keys
-from multiloss.component_check import call_component, check_class_labels, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
+from multiloss.building.checks import call_component, check_class_labels, describe_batch, describe_output
+from multiloss.building.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
+from multiloss.data.batches import require_keys
+from multiloss.multitask.recipe import MultiTaskRecipe, mean_losses
 
 
 class MultiHead(MultiTaskRecipe):
@@ -86,7 +86,7 @@ class MultiHead(MultiTaskRecipe):
             ignore=names_given_as_objects(net=net, optimizer=optimizer, balancer=balancer), logger=False
         )
         # The balancer needs the number of heads, which only the component check (or a checkpoint)
-        # knows: built there (`multiloss.base.multitask.MultiTaskRecipe.set_tasks`).
+        # knows: built there (`multiloss.multitask.recipe.MultiTaskRecipe.set_tasks`).
         self.net = build_module(net, "net")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.head_weights = head_weights

@@ -51,11 +51,11 @@ from torchmetrics.text import Perplexity
 
 from multiloss.base.module import Recipe
 from multiloss.base.window import count_exact_as_mean
-from multiloss.batches import require_keys
+from multiloss.building.checks import call_component, check_rows_independent, describe_batch, describe_output
+from multiloss.building.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.callbacks import TextSamples
-from multiloss.component_check import call_component, check_rows_independent, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, names_given_as_objects, to_plain
 from multiloss.config import ConfigError, require
+from multiloss.data.batches import require_keys
 from multiloss.data.vocabulary import Vocabulary
 from multiloss.nets import repackage_hidden
 from multiloss.saving.saved_state import CARRIED_KEY, VOCABULARY_KEY

@@ -35,13 +35,19 @@ import lightning as L
 import torch
 from torch import nn
 
-from multiloss.base.multitask import MultiTaskRecipe, mean_losses
-from multiloss.batches import require_keys
+from multiloss.building.checks import call_component, describe_batch, describe_output
+from multiloss.building.components import (
+    build_module,
+    build_optimizer_factory,
+    name_of,
+    names_given_as_objects,
+    to_plain,
+)
 from multiloss.callbacks import LoggedCurvesPlot
-from multiloss.component_check import call_component, describe_batch, describe_output
-from multiloss.components import build_module, build_optimizer_factory, name_of, names_given_as_objects, to_plain
 from multiloss.config import ConfigError
-from multiloss.tasks import build_tasks, loss_modules
+from multiloss.data.batches import require_keys
+from multiloss.multitask.recipe import MultiTaskRecipe, mean_losses
+from multiloss.multitask.tasks import build_tasks, loss_modules
 
 
 def weighted_backward(losses: torch.Tensor, weights: torch.Tensor, **kwargs: Any) -> None:
@@ -62,7 +68,7 @@ class WeightedMultiTask(MultiTaskRecipe):
             head per task): ``forward(x)`` returns a dict task name -> output, one entry per task.
         tasks (group ``tasks``, default ``digits``: the class (cross-entropy), odd/even (binary
             cross-entropy on one logit) and ink mass (MSE) of a digit): task name -> ``{loss, target,
-            weight, metric}``, see `multiloss.tasks`. ``model.tasks.<name>.weight=…`` from the shell.
+            weight, metric}``, see `multiloss.multitask.tasks`. ``model.tasks.<name>.weight=…`` from the shell.
         optimizer (group ``optimizer``, default ``adam``): a ``_partial_`` optimizer config.
         balancer (group ``balancer``, default ``fixed``: the configured weights): `multiloss.balancers`.
         data: batches with ``x`` (the net's input) and every task's ``target`` key (digits: ``y``,
@@ -108,7 +114,7 @@ class WeightedMultiTask(MultiTaskRecipe):
         self.net = build_module(net, "net")
         # The weights of the one backward (multiloss.balancers): the configured ones by default. The tasks are
         # the config's, known now: the balancer is built at once (a gradient balancer's `shared` names the net's
-        # layers), first among the modules (`multiloss.base.multitask`).
+        # layers), first among the modules (`multiloss.multitask.recipe`).
         self.set_tasks(list(self.tasks), key="balancer")
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.task_metrics = nn.ModuleDict({n: t.metric for n, t in self.tasks.items() if t.metric is not None})

@@ -121,28 +121,37 @@ def test_a_checkpoint_of_every_recipe_of_e12c38f_loads_for_inference(case):
     assert not [k for k, v in saved.items() if isinstance(v, torch.Tensor) and not torch.equal(state[k], v)]
 
 
-def test_every_module_path_of_the_earlier_layout_still_names_the_same_module():
-    """Users' YAML (`multiloss.fsdp.FSDPStrategy`), old checkpoints' hyper-parameters (`multiloss.schedules.*`) and
-    users' imports (`from multiloss.module import Recipe`) name modules that moved into packages by concern: each old
-    path imports the module at its new place (the same object: a class is the same class), Hydra instantiates through
-    it, and the early config check reads its source there."""
+def test_every_module_path_of_an_earlier_layout_is_mapped_where_a_config_or_checkpoint_is_read():
+    """Users' YAML (`multiloss.fsdp.FSDPStrategy`), old checkpoints' hyper-parameters (`multiloss.schedules.*`,
+    `multiloss.dense_tasks.*`) name modules that moved into packages by concern: each old module name maps to a module
+    that imports and whose source the early config check reads, a config's strings are rewritten in place, and no
+    finder is installed on ``sys.meta_path`` by ``import multiloss`` (old ``from multiloss.module import …`` imports
+    are gone: a 0.x interface change)."""
     import importlib
+    import sys
 
-    from hydra.utils import get_class
+    from omegaconf import OmegaConf
 
     from multiloss.config import source
-    from multiloss.moved import MOVED, current_name
+    from multiloss.config.renamed import MOVED, current_name, rename_targets
 
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-        assert source.parsed(old) is not None, old
-    assert get_class("multiloss.schedules.LinearDecay") is get_class("multiloss.base.schedules.LinearDecay")
-    assert get_class("multiloss.fsdp.FSDPStrategy") is get_class("multiloss.parallel.fsdp.FSDPStrategy")
-    from multiloss.module import Recipe
-
-    assert Recipe.__module__ == "multiloss.base.module"
+    for old in MOVED:
+        new = current_name(f"{old}.X").removesuffix(".X")
+        assert importlib.import_module(new) is not None, (old, new)
+        assert source.parsed(new) is not None, new
     assert current_name("multiloss.schedules.Constant") == "multiloss.base.schedules.Constant"
+    assert current_name("multiloss.multitask.MultiTaskRecipe") == "multiloss.multitask.recipe.MultiTaskRecipe"
+    assert current_name("multiloss.multitask.tasks.build_tasks") == "multiloss.multitask.tasks.build_tasks"
     assert current_name("multiloss.nets.MLP") == "multiloss.nets.MLP"
+    cfg = OmegaConf.create(
+        {"a": {"_target_": "multiloss.fsdp.FSDPStrategy"}, "b": ["multiloss.dense_tasks.depth_loss", "${a._target_}"]}
+    )
+    rename_targets(cfg)
+    assert cfg.a._target_ == "multiloss.parallel.fsdp.FSDPStrategy"
+    assert list(cfg.b) == ["multiloss.multitask.dense.depth_loss", "multiloss.parallel.fsdp.FSDPStrategy"]
+    assert not any(type(finder).__module__.startswith("multiloss") for finder in sys.meta_path)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("multiloss.module")
 
 
 def test_a_checkpoint_naming_the_earlier_layouts_paths_resumes(make_cfg, tmp_path):

@@ -167,7 +167,7 @@ def test_a_run_is_quiet_about_known_third_party_noise(tmp_path):
 def test_other_warnings_still_show():
     import warnings
 
-    from multiloss.quiet import silence_known_noise
+    from multiloss.console.noise import silence_known_noise
 
     silence_known_noise()
     with pytest.warns(UserWarning, match="a real one"):

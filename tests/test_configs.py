@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multiloss import testing
-from multiloss.builders import build_trainer
+from multiloss.building.run import build_trainer
 from multiloss.config import ConfigError, check_config
 from tests.conftest import CONFIG_DIR, ROOT
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from multiloss.batches import as_dict
 from multiloss.config import ConfigError
 from multiloss.data import (
     DigitPairsDataModule,
@@ -15,6 +14,7 @@ from multiloss.data import (
     TaskRegressionDataModule,
     TextDataModule,
 )
+from multiloss.data.batches import as_dict
 from multiloss.data.vocabulary import Vocabulary
 
 

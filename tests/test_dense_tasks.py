@@ -1,4 +1,4 @@
-"""NYUv2's losses and metrics (`multiloss.dense_tasks`) against LibMTL's own, transcribed from
+"""NYUv2's losses and metrics (`multiloss.multitask.dense`) against LibMTL's own, transcribed from
 median-research-group/LibMTL at 4336804847eaa5e0b924b743d76beec7ac3fdc97, ``examples/nyu/utils.py`` lines 9-112
 (SegMetric, DepthMetric, NormalMetric, SegLoss, DepthLoss, NormalLoss), on random float64 batches with void pixels:
 equal over several updates (an epoch's), the losses to float64's rounding, the metrics to the float32 their results
@@ -198,7 +198,7 @@ def count_improvement(base_result, new_result, weight):  # LibMTL/utils.py 48-78
 def test_delta_p_is_libmtls_count_improvement():
     """Per task the mean over its metrics, then over the tasks; LibMTL's weight 1 = higher is better (here: a name
     without an error, a loss or an angle in it), its result a fraction (here a percent)."""
-    from multiloss.metrics import delta_p
+    from multiloss.base.metrics import delta_p
 
     single = {"val/miou/seg": 0.40, "val/pixel_acc/seg": 0.70, "val/abs_err/depth": 0.60, "val/rel_err/depth": 0.25}
     single |= {"val/mean_angle/normal": 30.0, "val/within_11/normal": 0.20}
@@ -246,11 +246,11 @@ def test_a_task_with_several_metrics_logs_each_and_a_bad_one_is_named_by_key():
     from torchmetrics import MetricCollection
 
     from multiloss.config import ConfigError
-    from multiloss.tasks import build_tasks
+    from multiloss.multitask.tasks import build_tasks
 
-    spec = {"depth": {"loss": "multiloss.dense_tasks.depth_loss", "target": "depth", "metric": {
-        "abs_err": {"_target_": "multiloss.dense_tasks.DepthError"},
-        "rel_err": {"_target_": "multiloss.dense_tasks.DepthError", "relative": True},
+    spec = {"depth": {"loss": "multiloss.multitask.dense.depth_loss", "target": "depth", "metric": {
+        "abs_err": {"_target_": "multiloss.multitask.dense.DepthError"},
+        "rel_err": {"_target_": "multiloss.multitask.dense.DepthError", "relative": True},
     }}}  # fmt: skip
     task = build_tasks(spec)["depth"]
     assert isinstance(task.metric, MetricCollection) and [n for n, _ in task.logged()] == ["abs_err", "rel_err"]

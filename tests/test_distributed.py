@@ -127,7 +127,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, recipe):
             bound = 0.0
         elif k.startswith("val/mae/"):  # a float32 state (FLOAT32_SUM)
             bound = FLOAT32_SUM * abs(one_k)
-        else:  # the losses: float64 sums of loss · examples (`multiloss.metrics.EpochMeans`), grouped otherwise
+        else:  # the losses: float64 sums of loss · examples (`multiloss.base.metrics.EpochMeans`), grouped otherwise
             bound = EXACT * abs(one_k)
         print(f"{k}: 2 ranks {two_k!r}, 1 rank {one_k!r}")  # for the record (pytest -s)
         assert abs(two_k - one_k) <= bound, (k, two_k, one_k)

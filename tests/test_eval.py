@@ -144,7 +144,7 @@ def test_eval_on_two_ranks_gives_the_one_rank_metrics(tmp_path: Path) -> None:
 
     (row,) = [r for r in logged_rows(tmp_path / "two") if r.get("val/loss/total")]
     # Both evaluations in float64 (the run's 64-true): each example's loss the same to float64's rounding; the logged
-    # mean is a float32 MeanMetric (src/multiloss/metrics.py, EpochMeans): Σ value·n over the B batches, summed per
+    # mean is a float32 MeanMetric (src/multiloss/base/metrics.py, EpochMeans): Σ value·n over the B batches, summed per
     # rank then across the ranks, in another order than one rank's. Reordering a float32 sum of B positive terms moves
     # it by ≤ (B − 1)·2⁻²⁴ relative, the products and the division add B + 1 more: ≤ 2B·2⁻²⁴, under 1e-5 for B < 80.
     assert float(row["val/loss/total"]) == pytest.approx(one["val/loss/total"], rel=1e-5)

@@ -5,7 +5,6 @@ from typing import Any
 from multiloss.config import ConfigError, register_schema
 from multiloss.config.help import register as _register_help
 from multiloss.config.resolvers import register as _register_resolvers
-from multiloss.moved import install as _find_moved_modules
 
 # Hydra needs these before it composes `configs/train.yaml`: the typed top-level schema, the
 # resolver that fills `--help` with the recipe list, and the run-dir stamp. None imports torch or
@@ -13,7 +12,6 @@ from multiloss.moved import install as _find_moved_modules
 register_schema()
 _register_help()
 _register_resolvers()
-_find_moved_modules()  # an earlier layout's module paths (users' YAML, old checkpoints, imports) still import
 
 __all__ = ["ConfigError", "train"]
 

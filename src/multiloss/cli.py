@@ -248,7 +248,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
     """``task(cfg)`` quietly, a user's mistake as one line (exit 2), and the end-of-run summary."""
     import logging
 
-    from multiloss.quiet import silence_known_noise
+    from multiloss.console.noise import silence_known_noise
 
     silence_known_noise()  # before Lightning and torchdata are imported: some warn at import or first use
     from multiloss.callbacks import NonFiniteError, RunPreempted

@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from multiloss.builders import build_data_and_model, build_trainer
+from multiloss.building.run import build_data_and_model, build_trainer
 from multiloss.config import ConfigError, check_config, require
 from multiloss.saving.run_dir import require_checkpoint, run_overrides, stored_entries
 from multiloss.saving.saved_state import SPLIT_KEY
@@ -35,7 +35,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     against the recipe it builds (a checkpoint of another recipe or shape is a `ConfigError` on
     ``ckpt_path``). The metrics are the loggers' (``metrics.csv`` in the eval run dir) too.
     """
-    from multiloss.console import save_run_config
+    from multiloss.console.config_tree import save_run_config
     from multiloss.saving.checkpoints import verify_checkpoint
     from multiloss.saving.run_dir import refuse_a_runs_dir
     from multiloss.saving.run_log import open_run_log

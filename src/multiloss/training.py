@@ -8,7 +8,7 @@ import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, open_dict
 
-from multiloss.builders import build_data_and_model, build_trainer
+from multiloss.building.run import build_data_and_model, build_trainer
 from multiloss.callbacks.run_record import RunRecord
 from multiloss.config import ConfigError, check_config, require
 from multiloss.config.errors import error_from_lightning

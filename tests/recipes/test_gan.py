@@ -17,11 +17,11 @@ import torch
 from hydra.utils import instantiate
 
 from multiloss import ConfigError, testing, train
+from multiloss.base.metrics import ModeCoverage
 from multiloss.config import check_config
 from multiloss.data.gaussians import GaussianMixtureDataModule, mode_centers
 from multiloss.gan.objectives import WassersteinGP
 from multiloss.gan.objectives import penalty as gan_penalty
-from multiloss.metrics import ModeCoverage
 from multiloss.nets import MLP
 from multiloss.testing import assert_gradients_close, default_dtype
 from tests.conftest import BARE, SMALL_GAN, load_weights

@@ -15,7 +15,7 @@ from torch import nn
 
 from multiloss.balancers.protocol import Balancer, GradientBalancer
 from multiloss.balancers.weighting import Fixed
-from multiloss.components import build_module
+from multiloss.building.components import build_module
 from multiloss.config import require
 
 _FIXED = "multiloss.balancers.Fixed"

@@ -1,7 +1,7 @@
 """The rules that see several independent draws of the batch each step: SDMGrad and MoDo (three draws, as LibMTL's
 Trainer samples them: ``trainer.py`` 256, three consecutive batches for these two methods).
 
-The recipe splits each batch into ``batches_per_step`` equal parts (`multiloss.base.multitask.MultiTaskRecipe.draws`)
+The recipe splits each batch into ``batches_per_step`` equal parts (`multiloss.multitask.recipe.MultiTaskRecipe.draws`)
 and hands the balancer each part's task losses; the rule takes each part's K task gradients on the shared
 parameters (3 × K × n held) and torchjd's weighting (``SDMGradWeighting``, ``MoDoWeighting``) of the product J₁J₂ᵀ of
 two parts' (two independent draws keep its estimate unbiased), the update on the third. The heads get their own

@@ -29,6 +29,8 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
 REP_GRAD = (None, "batch", "samples")
 
 
@@ -42,7 +44,7 @@ class Balancer(nn.Module):
     after the optimizer step `after_step`; at a checkpoint `checkpoint_extra_state`.
 
     Constructor arguments the recipe injects (each given only where your ``__init__`` takes it and the config leaves
-    it out; `multiloss.base.multitask.MultiTaskRecipe.passed_to_components`):
+    it out; `multiloss.multitask.recipe.MultiTaskRecipe.passed_to_components`):
 
     - ``tasks``: the task names, in the order of the loss vector (``model.tasks``' keys);
     - ``base``: the configured weights cᵢ, one per task (``model.head_weights``, or 1);

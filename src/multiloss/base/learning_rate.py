@@ -26,7 +26,7 @@ from typing import Any
 from multiloss import lightning_internals as internals
 from multiloss.base.schedules import CONSTANT, factor_at
 from multiloss.config import ConfigError
-from multiloss.moved import current_name
+from multiloss.config.renamed import current_name
 from multiloss.saving.saved_state import LR_KEY
 
 log = logging.getLogger("multiloss")

@@ -2,7 +2,7 @@
 
 Training values go to the recipe's `TrainingLog` (one kernel a step, written as means on Lightning's
 log rows, judged by the non-finite guard); validation values are logged per epoch as the mean over
-every rank's examples (`multiloss.metrics.EpochMeans`). A mixin of `multiloss.base.module.Recipe`.
+every rank's examples (`multiloss.base.metrics.EpochMeans`). A mixin of `multiloss.base.module.Recipe`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import lightning as L
 import torch
 
 from multiloss import lightning_internals as internals
+from multiloss.base.metrics import EpochMeans
 from multiloss.base.training_log import TrainingLog
-from multiloss.metrics import EpochMeans
 
 
 class RecipeLogging(L.LightningModule):
@@ -41,7 +41,7 @@ class RecipeLogging(L.LightningModule):
         Training values go to the `TrainingLog` (one kernel a step, written as means on Lightning's log
         rows, judged by the non-finite guard; under DDP rank zero's own micro-batches, as Lightning does
         without a collective per step). Validation values are logged per epoch, as the mean over every
-        rank's examples (`multiloss.metrics.EpochMeans`).
+        rank's examples (`multiloss.base.metrics.EpochMeans`).
         """
         if not self.training:
             self.epoch_means.log(self, losses, prefix, 1 if batch_size is None else batch_size)

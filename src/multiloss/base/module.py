@@ -1,6 +1,6 @@
 """`Recipe`: the base of every recipe — the contract the library reads, the step options, the tools of a step.
 
-A recipe is a training loop over components chosen by config (`multiloss.components`), run under
+A recipe is a training loop over components chosen by config (`multiloss.building.components`), run under
 Lightning's manual optimization: its ``training_step`` is the whole step as a plain PyTorch loop
 writes it — forward, the losses, the recipe's backward, clipping, the optimizer step, zeroing, the
 learning-rate schedule — and the Trainer supplies the loop, devices, precision, DDP, logging and
@@ -28,10 +28,10 @@ from multiloss.base.schedules import StepOnValidation
 from multiloss.base.step import OptimizerStep, check_step_options, ends_optimizer_step, refuse_lightning_step_options
 from multiloss.base.training_log import TrainingLogWriter
 from multiloss.base.window import Counts, Window, example_counts, window_of
-from multiloss.batches import as_dict, probe_batch
-from multiloss.component_check import run_check
-from multiloss.components import compile_in_place, name_of, to_plain
+from multiloss.building.checks import run_check
+from multiloss.building.components import compile_in_place, name_of, to_plain
 from multiloss.config import require
+from multiloss.data.batches import as_dict, probe_batch
 from multiloss.parallel import sharding
 from multiloss.parallel.parallelism import Parallelism, parallelism_of
 from multiloss.saving.saved_state import STEP_KEY
@@ -197,11 +197,13 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         (`multiloss.saving.trust`). A `ConfigError` names the key and the target, before anything is imported.
         """
         from multiloss.saving.checkpoints import whole_checkpoint_file
-        from multiloss.saving.trust import check_hyper_parameters
+        from multiloss.saving.trust import check_hyper_parameters, renamed_hyper_parameters
 
         with whole_checkpoint_file(checkpoint_path) as path:
             check_hyper_parameters(path, trust_checkpoint, f"the checkpoint {checkpoint_path}")
-            return super().load_from_checkpoint(path, *args, **kwargs)
+            # The names an earlier layout wrote (multiloss.config.renamed), at their current places: given as the
+            # arguments they are, over the checkpoint's own (a keyword the caller passes still wins).
+            return super().load_from_checkpoint(path, *args, **{**renamed_hyper_parameters(path), **kwargs})
 
     @property
     def parallelism(self) -> Parallelism:
@@ -244,7 +246,7 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         self._check_components_once(batch)
 
     def prepare_batch(self, batch: Any) -> dict[str, Any]:
-        """``batch`` as a dict (``(x, y)`` tuples too: `multiloss.batches.as_dict`); every step starts with it."""
+        """``batch`` as a dict (``(x, y)`` tuples too: `multiloss.data.batches.as_dict`); every step starts with it."""
         return as_dict(batch)
 
     def step_of(

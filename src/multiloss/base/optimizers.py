@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from multiloss import lightning_internals as internals
 from multiloss.base.learning_rate import RatePlan, apply_rule
 from multiloss.base.schedules import build_schedule
-from multiloss.components import OptimizerFactory
+from multiloss.building.components import OptimizerFactory
 from multiloss.config import ConfigError
 
 

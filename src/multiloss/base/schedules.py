@@ -23,9 +23,9 @@ import lightning as L
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau, StepLR
 
-from multiloss.components import accepts, build_callable
+from multiloss.building.components import accepts, build_callable
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.config import ConfigError, require
-from multiloss.lean_callback import LeanCallback
 
 CONSTANT = "multiloss.base.schedules.Constant"
 

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from multiloss import lightning_internals as internals
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 
 
 class StepRows:

@@ -11,9 +11,9 @@ from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from multiloss import lightning_internals as internals
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.callbacks.preemption import Preemption, agree, stop_run
 from multiloss.config import ConfigError
-from multiloss.lean_callback import LeanCallback
 
 
 class Checkpoint(ModelCheckpoint, LeanCallback):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -11,9 +11,20 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from multiloss import lightning_internals as internals
 from multiloss.balancers.task_gradients import pairwise_cosines, task_gradients
-from multiloss.base.multitask import MultiTaskRecipe, TaskLossObserver
+from multiloss.callbacks.lean import LeanCallback
+
+if TYPE_CHECKING:
+    from multiloss.multitask.recipe import MultiTaskRecipe
 from multiloss.callbacks.plots import curves_figure, logged_curves
-from multiloss.lean_callback import LeanCallback
+
+
+class TaskLossObserver(L.Callback):
+    """A callback shown each training step's task losses (graph on) right before the recipe's backward."""
+
+    def observe_task_losses(
+        self, trainer: L.Trainer, pl_module: MultiTaskRecipe, losses: dict[str, torch.Tensor]
+    ) -> None:
+        raise NotImplementedError
 
 
 class ConflictMonitor(TaskLossObserver, LeanCallback):
@@ -22,7 +33,7 @@ class ConflictMonitor(TaskLossObserver, LeanCallback):
     Logs ``conflict/cos/<a>-<b>`` and ``conflict/negative/<a>-<b>`` (the share of monitored steps so
     far whose cosine was negative: the tasks pulled the shared layers apart), and plots the cosines
     over the steps to ``<dirpath>/<filename>`` when training ends. Works for a recipe that hands its
-    step's task losses to its observers (`multiloss.base.multitask.MultiTaskRecipe`: multihead, weighted),
+    step's task losses to its observers (`multiloss.multitask.recipe.MultiTaskRecipe`: multihead, weighted),
     whatever its balancer. Cost: one
     extra backward per task, on monitored steps only (every ``trainer.log_every_n_steps``); the
     gradients are computed apart from training's, which they do not change. Shared parameters: those

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 
 
 class JsonRecord(LeanCallback):

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from multiloss import lightning_internals as internals
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 
 
 class GraphLeakDetector(LeanCallback):
@@ -64,7 +64,7 @@ class GraphLeakDetector(LeanCallback):
         if len(self.after_batch) == self.steps:
             self._verdict()
             self.outputs = weakref.WeakValueDictionary()
-            # Done: Lightning skips a hook that is None (multiloss.lean_callback), so the rest of the run
+            # Done: Lightning skips a hook that is None (multiloss.callbacks.lean), so the rest of the run
             # pays nothing for this callback.
             self.on_train_batch_start = self.on_train_batch_end = None
 

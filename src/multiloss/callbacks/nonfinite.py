@@ -30,8 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from multiloss import lightning_internals as internals
-from multiloss.base.module import Recipe
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.saving.saved_state import checkpoint_exists
 
 Mode = Literal["stop", "skip", "off"]
@@ -49,7 +48,7 @@ class NonFiniteGuard(LeanCallback):
             raise ValueError(f"nonfinite must be stop, skip or off, not {mode!r}")
         self.mode = mode
         self.skipped = 0
-        # Lightning skips a hook that is None (multiloss.lean_callback): only skip judges each step.
+        # Lightning skips a hook that is None (multiloss.callbacks.lean): only skip judges each step.
         if mode != "skip":
             self.on_before_optimizer_step = None
         if mode == "off":
@@ -62,7 +61,7 @@ class NonFiniteGuard(LeanCallback):
         # The 2-norm: one fused kernel per device. NaN and inf propagate into it; a finite norm past
         # float32's range (≥ 1.8e19) also reads as inf, where Adam's squared gradient overflows too.
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).reshape(1)
-        losses = pl_module.training_log.pop_new_loss_rows() if isinstance(pl_module, Recipe) else []
+        losses = pl_module.training_log.pop_new_loss_rows() if _is_recipe(pl_module) else []
         checks = torch.cat([total.float(), *(v.reshape(-1).float() for v in losses)])
         if not bool(torch.isfinite(checks).all()):  # the per-step host read
             for group in optimizer.param_groups:
@@ -93,7 +92,7 @@ class NonFiniteGuard(LeanCallback):
         ``read``: also read the loss rows not yet written and the weights (host reads); else only what
         the written log rows showed.
         """
-        losses = pl_module.training_log.first_nonfinite(scan=read) if isinstance(pl_module, Recipe) else None
+        losses = pl_module.training_log.first_nonfinite(scan=read) if _is_recipe(pl_module) else None
         if losses is not None:
             step, names = losses
             what = f"{' and '.join(names)} became NaN/inf at global step {step}"
@@ -143,3 +142,10 @@ def _last_checkpoint(trainer: L.Trainer) -> str | None:
                 return str(path)
     resumed = trainer.ckpt_path
     return str(resumed) if resumed and checkpoint_exists(resumed) else None
+
+
+def _is_recipe(module: object) -> bool:
+    """Whether ``module`` is a multiloss recipe (imported here: the recipes' base imports the callbacks package)."""
+    from multiloss.base.module import Recipe
+
+    return isinstance(module, Recipe)

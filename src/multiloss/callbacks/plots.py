@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.saving.history import csv_logger, read_rows
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 
 log = logging.getLogger("multiloss")
 

@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 
 
 class ProgressBar(RichProgressBar, LeanCallback):

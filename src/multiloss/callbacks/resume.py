@@ -27,8 +27,8 @@ from typing import Any
 import lightning as L
 
 from multiloss.base.learning_rate import RatePlan, refuse_other_schedules, resume_rates
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.config import ConfigError
-from multiloss.lean_callback import LeanCallback
 from multiloss.saving.checkpoints import sharded_metadata
 from multiloss.saving.saved_state import LR_KEY, is_sharded_checkpoint
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from multiloss import lightning_internals as internals
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 
 
 class RngState(LeanCallback):

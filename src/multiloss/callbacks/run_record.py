@@ -16,9 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from multiloss import lightning_internals as internals
-from multiloss.base.module import Recipe
-from multiloss.console import print_config_tree, save_run_config
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
+from multiloss.console.config_tree import print_config_tree, save_run_config
 from multiloss.saving.history import continue_history, history_entry
 from multiloss.saving.run_dir import check_run_dir
 from multiloss.saving.run_log import open_run_log
@@ -72,7 +71,7 @@ class RunRecord(LeanCallback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[OVERRIDES_KEY] = self.overrides
-        last_step = pl_module.step_index if isinstance(pl_module, Recipe) else internals.batches_that_stepped(trainer)
+        last_step = pl_module.step_index if _is_recipe(pl_module) else internals.batches_that_stepped(trainer)
         checkpoint[HISTORY_KEY] = history_entry(trainer, last_step)
         checkpoint[CONFIG_DIRS_KEY] = self.config_dirs
         checkpoint[SPLIT_KEY] = {k: self.cfg.data[k] for k in SPLIT_KEYS if k in self.cfg.data}
@@ -83,3 +82,10 @@ class RunRecord(LeanCallback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self.resumed_history = checkpoint.get(HISTORY_KEY)
+
+
+def _is_recipe(module: object) -> bool:
+    """Whether ``module`` is a multiloss recipe (imported here: the recipes' base imports the callbacks package)."""
+    from multiloss.base.module import Recipe
+
+    return isinstance(module, Recipe)

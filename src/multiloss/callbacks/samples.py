@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from multiloss.lean_callback import LeanCallback
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.parallel.parallelism import parallelism_of
 from multiloss.parallel.sharding import full
 

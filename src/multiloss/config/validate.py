@@ -28,6 +28,7 @@ from typeguard import CollectionCheckStrategy, TypeCheckError, check_type
 
 from multiloss.config import source
 from multiloss.config.errors import ConfigError, require
+from multiloss.config.renamed import rename_targets
 from multiloss.config.schema import COMPONENT_GROUPS, TrainSchema
 
 # Arguments that `train` passes itself when it instantiates a node, so the config must not set them.
@@ -38,7 +39,10 @@ def check_config(cfg: DictConfig, early: bool = False) -> None:
     """Raise `ConfigError` for the first problem found in ``cfg``; return quietly if there is none.
 
     ``early``: each ``_target_`` read from its source, nothing imported (what it cannot tell is left unchecked).
+    First, the dotted names of earlier layouts ``cfg`` may carry are mapped to their modules' current places, in place
+    (`multiloss.config.renamed`).
     """
+    rename_targets(cfg)
     read = source_target if early else imported_target
     accepted = sorted({f.name for f in dataclasses.fields(TrainSchema)} - set(COMPONENT_GROUPS))
     for key in cfg:

@@ -1,7 +1,7 @@
 """2-D Gaussian mixtures, the classic GAN mode-coverage toys: 8 modes on a ring, 25 on a grid.
 
 A generator that collapses onto a few modes is easy to see (a scatter plot) and to count
-(`multiloss.metrics.ModeCoverage`), which makes these the standard test of whether a GAN's
+(`multiloss.base.metrics.ModeCoverage`), which makes these the standard test of whether a GAN's
 training loop is right before anything else is blamed. Generated, never downloaded.
 """
 
@@ -34,7 +34,7 @@ class GaussianMixtureDataModule(ArrayDataModule):
     ``layout=grid``: a square lattice of ``n_modes`` centers spaced ``scale`` apart (the 25-Gaussians
     grid). Each point also carries its mode index ``y``. The points are a pure function of
     ``sample_seed`` (never of the training ``seed``), so every run sees the same data set.
-    ``centers`` and ``std`` are what `multiloss.metrics.ModeCoverage` measures against.
+    ``centers`` and ``std`` are what `multiloss.base.metrics.ModeCoverage` measures against.
 
     Raises:
         ConfigError: ``n_modes`` < 1 or (grid) not a perfect square; ``std`` or ``scale`` ≤ 0;

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multiloss.components import build_callable
+from multiloss.building.components import build_callable
 from multiloss.config import ConfigError, require, require_options
 
 # policy -> how many random numbers per sample its transforms take (in the order DiffAugment draws them).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from multiloss.component_check import call_component, describe_output
+from multiloss.building.checks import call_component, describe_output
 from multiloss.config import ConfigError
 from multiloss.gan.objectives import GANLoss
 from multiloss.gan.options import loss_name, shown

@@ -22,9 +22,9 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 from torchmetrics.utilities import dim_zero_cat
 
+from multiloss.base.metrics import ModeCoverage
 from multiloss.config import ConfigError, require, require_options
 from multiloss.gan.digit_features import PIXELS, VERSION, DigitFeatures
-from multiloss.metrics import ModeCoverage
 
 FEATURES = ("digits", "inception")
 

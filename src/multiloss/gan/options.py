@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from multiloss.components import build_instance
+from multiloss.building.components import build_instance
 from multiloss.config import require, require_options
 from multiloss.gan.objectives import AT, LOSSES, PENALTIES, GANLoss, GradientPenalty, WassersteinGP
 from multiloss.gan.path_length import PathLength

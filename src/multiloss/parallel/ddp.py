@@ -32,8 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multiloss import lightning_internals as internals
+from multiloss.callbacks.lean import LeanCallback
 from multiloss.config import ConfigError
-from multiloss.lean_callback import LeanCallback
 from multiloss.parallel import early_ranks, ports
 from multiloss.parallel.child_command import PARENT, job_command
 from multiloss.parallel.rendezvous import RendezvousIncomplete, start_process_group

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from multiloss.components import to_plain
+from multiloss.building.components import to_plain
 from multiloss.config import require, require_options
 
 

@@ -2,7 +2,7 @@
 
 A distributed run hangs when one rank issues a collective (an all-reduce, a barrier) that another never issues,
 or issues a different one first: each waits for the other. torch ends the wait after the process group's timeout
-(``collective_timeout``, `multiloss.builders.build_trainer`), and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (how the
+(``collective_timeout``, `multiloss.building.run.build_trainer`), and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (how the
 test suite runs) at once, when the ranks' calls differ. Either way each rank gets a ``RuntimeError`` out of gloo
 or torch's collective checker, raised wherever its own collective was issued. `explain_stall` turns it into
 `CollectiveStalled`: which hook of which class issued which collective on this rank, and what the other ranks

@@ -21,7 +21,7 @@ SPLIT_KEY = "multiloss_data_split"  # its data split (val_fraction, test_fractio
 POSITION = "position"  # the training loader's state: its epoch and the examples of its order consumed
 BATCHES_KEY = "multiloss_batches"  # the per-rank batch size and the ranks its position in the epoch is counted in
 HISTORY_KEY = "multiloss_metrics_csv"  # its metrics.csv, continued by a resumed run (multiloss.saving.history)
-# The step's state (multiloss.base.learning_rate, multiloss.base.multitask, the recipes).
+# The step's state (multiloss.base.learning_rate, multiloss.multitask.recipe, the recipes).
 LR_KEY = "multiloss_learning_rates"  # each optimizer's RatePlan: configured rate × rule × schedule factor
 TASKS_KEY = "multiloss_balanced_tasks"  # the task names the balancer was built for (built before the weights load)
 OLD_HEAD_COUNT_KEY = "multihead_heads"  # read only: multihead's head count in checkpoints older than TASKS_KEY
@@ -51,7 +51,7 @@ SAVED_KEYS = (
     SavedKey(BATCHES_KEY, "multiloss.callbacks.run_record"),
     SavedKey(HISTORY_KEY, "multiloss.callbacks.run_record"),
     SavedKey(LR_KEY, "multiloss.base.learning_rate"),
-    SavedKey(TASKS_KEY, "multiloss.base.multitask"),
+    SavedKey(TASKS_KEY, "multiloss.multitask.recipe"),
     SavedKey(STEP_KEY, "multiloss.base.module"),
     SavedKey(NOISE_KEY, "multiloss.recipes.gan"),
     SavedKey(NOISE_DRAW_KEY, "multiloss.recipes.gan"),

@@ -8,7 +8,7 @@ overrides and config dirs (``train.py ckpt_path=``, ``multiloss-eval``), its hyp
 anything is imported, composed or written:
 
 - a ``_target_`` it carries is one the shipped configs use (`shipped_targets`; an earlier module path of one too,
-  `multiloss.moved`), one this command line writes itself, or one a config dir this command line names defines;
+  `multiloss.config.renamed`), one this command line writes itself, or one a config dir this command line names defines;
 - a config dir it names is used only when this command line names it too (its option files are code as much as data);
 - an override value that builds config from a string at resolution time (a resolver other than a reference, ``oc.env``,
   ``oc.select``, ``oc.dict.*`` and multiloss's own) is refused: it could hide a ``_target_`` from this check;
@@ -83,14 +83,10 @@ def targets_in(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _canonical(target: str) -> str:
-    """``target`` at its module's current place (`multiloss.moved`: the paths of earlier layouts)."""
-    from multiloss.moved import MOVED
+    """``target`` at its module's current place (`multiloss.config.renamed`: the paths of earlier layouts)."""
+    from multiloss.config.renamed import current_name
 
-    module, _, name = target.rpartition(".")
-    for old, new in MOVED.items():
-        if module == old or module.startswith(old + "."):
-            return f"{new}{module[len(old) :]}.{name}"
-    return target
+    return current_name(target)
 
 
 class Allowed:
@@ -269,6 +265,20 @@ def _targets_written(args: Sequence[str]) -> set[str]:
             written.add(value)
         written.update(t for _, t in targets_in(value) if isinstance(t, str))
     return written
+
+
+def renamed_hyper_parameters(path: str | Path) -> dict[str, Any]:
+    """The checkpoint file's hyper-parameters that name a module of an earlier layout, each at its current place
+    (`multiloss.config.renamed`); the others left out."""
+    import copy
+
+    import torch
+
+    from multiloss.config.renamed import rename_targets
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    hyper_parameters = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
+    return {k: new for k, v in hyper_parameters.items() if (new := rename_targets(copy.deepcopy(v))) != v}
 
 
 def check_hyper_parameters(path: str | Path, trust: Any, where: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
-from multiloss.components import build_callable
+from multiloss.building.components import build_callable
 from multiloss.config import ConfigError, require
 
 FIELDS = ("loss", "target", "weight", "metric", "metric_name", "activation")

@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
 from multiloss import lightning_internals as internals
-from multiloss.batches import as_dict, dataset_tensors, take
 from multiloss.config import ConfigError, require
+from multiloss.data.batches import as_dict, dataset_tensors, take
 
 
 def run_check(module: L.LightningModule, check: Callable[[dict[str, Any]], None], batch: Any) -> None:

@@ -23,18 +23,10 @@ from multiloss.balancers.build import build_balancer, check_sharded_balancer, ru
 from multiloss.balancers.protocol import save_balancer_state, shared_parameters
 from multiloss.balancers.resume_check import check_saved_balancer
 from multiloss.base.module import Recipe
-from multiloss.components import to_plain
+from multiloss.building.components import to_plain
+from multiloss.callbacks.conflicts import TaskLossObserver
 from multiloss.config import ConfigError, require
 from multiloss.saving.saved_state import OLD_HEAD_COUNT_KEY, TASKS_KEY, is_sharded_checkpoint
-
-
-class TaskLossObserver(L.Callback):
-    """A callback shown each training step's task losses (graph on) right before the recipe's backward."""
-
-    def observe_task_losses(
-        self, trainer: L.Trainer, pl_module: MultiTaskRecipe, losses: dict[str, torch.Tensor]
-    ) -> None:
-        raise NotImplementedError
 
 
 class MultiTaskRecipe(Recipe):

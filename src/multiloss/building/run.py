@@ -25,6 +25,7 @@ from multiloss.base.module import Recipe
 from multiloss.config import ConfigError
 from multiloss.config.errors import error_from_lightning
 from multiloss.config.parallel import is_sharded
+from multiloss.config.renamed import rename_targets
 from multiloss.parallel.parallelism import engine
 from multiloss.saving.checkpoints import AtomicCheckpointIO
 
@@ -96,6 +97,7 @@ def build_data_and_model(cfg: DictConfig) -> tuple[L.LightningDataModule, L.Ligh
     ``from_data(datamodule)`` classmethod, as LightningCLI's ``link_arguments`` does; a value set in
     the config itself wins.
     """
+    rename_targets(cfg)  # an earlier layout's dotted names, at their modules' current places (multiloss.config.renamed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _build("data", cfg.data)
     with _config_errors("model", cfg.model):
