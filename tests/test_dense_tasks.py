@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from multiloss import dense_tasks
+from multiloss.multitask import dense as dense_tasks
 
 EXACT = 1e-10  # float64: equal up to rounding, on any CPU
 U32 = 2.0**-24  # float32's unit roundoff: one rounding moves a value by at most U32 of it

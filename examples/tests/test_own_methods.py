@@ -1,9 +1,10 @@
-"""Methods of one's own (examples/mypkg/methods.py, named from examples/configs) proven as the shipped ones are,
+"""Methods of one's own (examples/mypkg/methods.py) and a recipe of one's own (examples/mypkg/recipes.py), named
+from examples/configs, proven as the shipped ones are,
 with `multiloss.testing` and a reference written from each method's formula — the few lines docs/extending.md shows.
 
 - In this process: the recipe's real step (``testing.step_gradients``, float64) equals the reference on the same
   batch, to `EXACT`: `InverseLoss`'s weights, `EqualNorms`' combined gradient, `DriftWasserstein` with
-  `LipschitzPenalty` (D's step, then G's through the stepped D).
+  `LipschitzPenalty` (D's step, then G's through the stepped D), `DoubleBackprop`'s step.
 - From the command line, as a user runs them (``python train.py --config-dir examples/configs ...``, float64 SGD):
   one device × 64, two DDP ranks × 32 and two FSDP2 ranks × 32 (``global_batch_size=64``), a run stopped mid-epoch
   and resumed on one rank, and one stopped on two ranks and continued on one: the same weights, to `EXACT`.
@@ -111,9 +112,25 @@ def test_drift_wasserstein_with_the_lipschitz_penalty_equals_its_formulas():
     testing.assert_gradients_close(g_step, g_grads, atol=EXACT, rtol=EXACT)
 
 
+def test_double_backprop_recipe_equals_the_plain_loop():
+    """The recipe of one's own (examples/mypkg/recipes.py) against the loop a user writes by hand: CE plus
+    λ·E‖∇ₓ CEᵢ‖², the input gradient taken with create_graph=True, one backward."""
+    cfg, datamodule, module = _build("recipe=double_backprop", "model.net.width=16")
+    (grads,) = testing.step_gradients(module, datamodule, **F64)
+    batch = testing.in_dtype(testing.first_batch(datamodule), torch.float64)
+    net = copy.deepcopy(module.net).double()
+    x = batch["x"].clone().requires_grad_(True)
+    ce = F.cross_entropy(net(x), batch["y"])
+    (gx,) = torch.autograd.grad(ce * len(x), x, create_graph=True)  # each example's own input gradient
+    (ce + cfg.model.weight * (gx**2).sum(dim=1).mean()).backward()
+    expected = {f"net.{n}": p.grad for n, p in net.named_parameters()}
+    testing.assert_gradients_close(grads, expected, atol=EXACT, rtol=EXACT)
+
+
 # --- from the command line, on every engine -------------------------------------------------------------------------
 
 RUNS = {
+    "double_backprop": ("recipe=double_backprop", "model.net.width=16"),
     # scope=global: the rule on the global batch's gradients (scope=rank, each rank's own, then averaged: not the
     # one device's step, by design).
     "equal_norms": ("recipe=multihead", "balancer=equal_norms", "model.balancer.scope=global", *SMALL),

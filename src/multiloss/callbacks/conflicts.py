@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -12,9 +12,6 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from multiloss import lightning_internals as internals
 from multiloss.balancers.task_gradients import pairwise_cosines, task_gradients
 from multiloss.callbacks.lean import LeanCallback
-
-if TYPE_CHECKING:
-    from multiloss.multitask.recipe import MultiTaskRecipe
 from multiloss.callbacks.plots import curves_figure, logged_curves
 
 
@@ -22,7 +19,7 @@ class TaskLossObserver(L.Callback):
     """A callback shown each training step's task losses (graph on) right before the recipe's backward."""
 
     def observe_task_losses(
-        self, trainer: L.Trainer, pl_module: MultiTaskRecipe, losses: dict[str, torch.Tensor]
+        self, trainer: L.Trainer, pl_module: L.LightningModule, losses: dict[str, torch.Tensor]
     ) -> None:
         raise NotImplementedError
 
@@ -47,7 +44,7 @@ class ConflictMonitor(TaskLossObserver, LeanCallback):
         self.negative: dict[str, torch.Tensor] = {}
 
     def observe_task_losses(
-        self, trainer: L.Trainer, pl_module: MultiTaskRecipe, losses: dict[str, torch.Tensor]
+        self, trainer: L.Trainer, pl_module: L.LightningModule, losses: dict[str, torch.Tensor]
     ) -> None:
         if len(losses) < 2 or not internals.writes_log_row(trainer):
             return
