@@ -74,10 +74,9 @@ import torch.nn.functional as F  # noqa: E402
 from hydra.utils import get_method, instantiate  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from multiloss.building.run import build_data_and_model  # noqa: E402
 from multiloss.data.batches import as_dict  # noqa: E402
 from multiloss.testing import bare_trainer, compose  # noqa: E402
-from multiloss.training import train  # noqa: E402
+from multiloss.training import build_data_and_model, train  # noqa: E402
 
 RECIPES = ("multihead", "weighted", "gan", "tbptt", "accumulation")
 # Batches timed per run (after the warm-up): a few epochs of digits, a fraction of the GAN's and tbptt's.

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from multiloss import testing
-from multiloss.building.run import build_trainer
 from multiloss.config import ConfigError, check_config
+from multiloss.training import build_trainer
 from tests.conftest import CONFIG_DIR, ROOT
 
 # Groups whose options are selected on the command line as `group=option`.

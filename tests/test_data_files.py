@@ -413,7 +413,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, layouts, layout
         "data.shuffle=false",
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
-        F64,  # FSDP2 too (its DoublePrecision as a plugin, src/multiloss/building/run.py)
+        F64,  # FSDP2 too (its DoublePrecision as a plugin, src/multiloss/training.py)
     )
     quiet = (*QUIET, "~callbacks.loss_curves")
     two = pooled_train(tmp_path / "two", *quiet, *common, f"trainer={trainer}", "data.batch_size=16", cwd=tmp_path)

@@ -74,7 +74,7 @@ def test_each_recipes_search_composes_its_recipe_and_objective(make_cfg, recipe:
     # recipe refuses, such as trainer.accumulate_grad_batches above 1, would fail every trial).
     from omegaconf import OmegaConf
 
-    from multiloss.building.run import build_data_and_model, build_trainer
+    from multiloss.training import build_data_and_model, build_trainer
 
     params = OmegaConf.load(CONFIG_DIR / "hparams_search" / f"{recipe}.yaml").hydra.sweeper.params
     for key, space in params.items():

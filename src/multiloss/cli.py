@@ -272,7 +272,7 @@ def run(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> dict
         # A user error gets one message, not a traceback wall; exit code 2 like argparse.
         if not os.environ.get("SUBMITIT_EXECUTOR"):  # a job's log handlers still write into its dir
             _remove_if_empty(cfg)
-        # Another rank of this job prints it (multiloss.parallel.ddp.ReportOnce; before the ranks share a group:
+        # Another rank of this job prints it (multiloss.callbacks.report_once; before the ranks share a group:
         # multiloss.parallel.early_ranks.report_once).
         from multiloss.parallel.early_ranks import report_once
 

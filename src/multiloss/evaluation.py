@@ -15,10 +15,10 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from multiloss.building.run import build_data_and_model, build_trainer
 from multiloss.config import ConfigError, check_config, require
 from multiloss.saving.run_dir import require_checkpoint, run_overrides, stored_entries
 from multiloss.saving.saved_state import SPLIT_KEY
+from multiloss.training import build_data_and_model, build_trainer
 
 log = logging.getLogger("multiloss")
 

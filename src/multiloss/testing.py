@@ -49,8 +49,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from multiloss.building.run import build_data_and_model
 from multiloss.data.batches import as_dict
+from multiloss.training import build_data_and_model
 
 Gradients = dict[str, torch.Tensor | None]
 

@@ -17,7 +17,7 @@ class EpochMetricsOnEveryRank(LeanCallback):
     zero only: the progress bar (``on_train_epoch_end``), a sample writer. That rank then waits in a collective
     the others never issue — they are in the next one (the preemption agreement, a checkpoint's) — and the run
     hangs. Read here first, on every rank, each value is reduced once and cached; every later reader, on any
-    rank, only reads. `multiloss.building.run.run_callbacks` puts this callback first.
+    rank, only reads. `multiloss.training.run_callbacks` puts this callback first.
     """
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

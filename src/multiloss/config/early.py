@@ -21,7 +21,7 @@ from multiloss.config.argument_checks import UNKNOWN, Raised
 from multiloss.config.errors import ConfigError, error_from_lightning, optimizer_rejection
 from multiloss.config.validate import check_config, source_target
 
-# What multiloss's builders pass the Trainer themselves (`multiloss.building.run.build_trainer`).
+# What multiloss's builders pass the Trainer themselves (`multiloss.training.build_trainer`).
 _TRAINER_PASSED = {"callbacks": UNKNOWN, "logger": UNKNOWN, "plugins": UNKNOWN}
 _OPTIMIZER = "torch.optim.optimizer.Optimizer"
 _LIGHTNING_ERRORS = ("lightning.fabric.utilities.exceptions.MisconfigurationException",)

@@ -56,7 +56,7 @@ MOVED.update(
         "multiloss.metrics": "multiloss.base.metrics",
         "multiloss.components": "multiloss.building.components",
         "multiloss.component_check": "multiloss.building.checks",
-        "multiloss.builders": "multiloss.building.run",
+        "multiloss.builders": "multiloss.training",
         "multiloss.batches": "multiloss.data.batches",
         "multiloss.lean_callback": "multiloss.callbacks.lean",
         "multiloss.quiet": "multiloss.console.noise",

@@ -13,7 +13,7 @@ the Trainer then want other ranks than those started (`settle`), they are stoppe
 Lightning starts its own.
 
 Until the ranks share a process group, a config error they all meet is printed once: each process claims the
-message in a directory they share (`report_once`), as `multiloss.parallel.ddp.ReportOnce` does through the group's
+message in a directory they share (`report_once`), as `multiloss.callbacks.report_once` does through the group's
 store afterwards.
 """
 

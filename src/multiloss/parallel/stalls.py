@@ -2,7 +2,7 @@
 
 A distributed run hangs when one rank issues a collective (an all-reduce, a barrier) that another never issues,
 or issues a different one first: each waits for the other. torch ends the wait after the process group's timeout
-(``collective_timeout``, `multiloss.building.run.build_trainer`), and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (how the
+(``collective_timeout``, `multiloss.training.build_trainer`), and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (how the
 test suite runs) at once, when the ranks' calls differ. Either way each rank gets a ``RuntimeError`` out of gloo
 or torch's collective checker, raised wherever its own collective was issued. `explain_stall` turns it into
 `CollectiveStalled`: which hook of which class issued which collective on this rank, and what the other ranks
@@ -48,7 +48,7 @@ def is_stall(err: BaseException) -> bool:
 
 
 def note_stall(err: BaseException, trainer: L.Trainer) -> None:
-    """Called on every failing rank while the job's store is still up (`multiloss.parallel.ddp.ReportOnce`, a
+    """Called on every failing rank while the job's store is still up (`multiloss.callbacks.report_once.ReportOnce`, a
     callback's ``on_exception``, before Lightning tears anything down): post where this rank's collective was issued;
     the first rank there gathers the others' words for `explain_stall`."""
     err._multiloss_stall = _share(trainer.global_rank, where(err.__traceback__), trainer.world_size)  # type: ignore[attr-defined]
