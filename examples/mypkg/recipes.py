@@ -33,6 +33,14 @@ class DoubleBackprop(Recipe):
         self.optimizer_factory = build_optimizer_factory(optimizer, "optimizer")
         self.weight = weight
 
+    def held_whole(self, trainer: Any) -> tuple[str, ...]:
+        # The step differentiates the net twice (the input gradient, then the loss through it): under FSDP2 the net is
+        # held whole for the step and its gradients handed to the shards at its end, as the GAN's penalty does.
+        return ("net",)
+
+    def not_compilable(self, name: str) -> str:
+        return "the step differentiates its gradient, a double backward torch.compile does not support"
+
     def check_components(self, batch: dict[str, Any]) -> None:
         require_keys(batch, ("x", "y"), "the net's input and the class of each example")
 
