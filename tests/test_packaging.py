@@ -121,7 +121,7 @@ def test_installed_commands_train_and_evaluate_from_an_empty_directory(wheel: Pa
 
 def test_no_two_modules_import_each_other():
     """The library's import graph, every import counted (a function's own too): no module imports one that
-    imports it back, so training.py (train) and evaluation.py (evaluate) both build through builders.py."""
+    imports it back; evaluation.py (evaluate) builds through training.py's builders (train's own)."""
     import ast
 
     root = Path(__file__).resolve().parents[1] / "src"
@@ -141,9 +141,7 @@ def test_no_two_modules_import_each_other():
                 continue
             found |= {t for t in targets if t in modules and t != name}
         imports[name] = found
-    assert {"multiloss.training", "multiloss.evaluation"} <= {
-        m for m, found in imports.items() if "multiloss.training" in found
-    }
+    assert "multiloss.training" in imports["multiloss.evaluation"]  # evaluate builds through train's builders
     # A package's __init__ re-exports its submodules; a submodule importing a sibling through the
     # package is the same edge, so packages stand for their submodules here.
     mutual = sorted(
