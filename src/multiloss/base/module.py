@@ -197,13 +197,13 @@ class Recipe(RecipeOptimizers, RecipeLogging):
         (`multiloss.saving.trust`). A `ConfigError` names the key and the target, before anything is imported.
         """
         from multiloss.saving.checkpoints import whole_checkpoint_file
-        from multiloss.saving.trust import check_hyper_parameters, renamed_hyper_parameters
+        from multiloss.saving.trust import check_hyper_parameters
 
         with whole_checkpoint_file(checkpoint_path) as path:
-            check_hyper_parameters(path, trust_checkpoint, f"the checkpoint {checkpoint_path}")
-            # The names an earlier layout wrote (multiloss.config.renamed), at their current places: given as the
-            # arguments they are, over the checkpoint's own (a keyword the caller passes still wins).
-            return super().load_from_checkpoint(path, *args, **{**renamed_hyper_parameters(path), **kwargs})
+            # One read: refused names, and those an earlier layout wrote (multiloss.config.renamed) at their current
+            # places, given as the arguments they are over the checkpoint's own (a keyword the caller passes wins).
+            renamed = check_hyper_parameters(path, trust_checkpoint, f"the checkpoint {checkpoint_path}")
+            return super().load_from_checkpoint(path, *args, **{**renamed, **kwargs})
 
     @property
     def parallelism(self) -> Parallelism:

@@ -267,9 +267,11 @@ def _targets_written(args: Sequence[str]) -> set[str]:
     return written
 
 
-def renamed_hyper_parameters(path: str | Path) -> dict[str, Any]:
-    """The checkpoint file's hyper-parameters that name a module of an earlier layout, each at its current place
-    (`multiloss.config.renamed`); the others left out."""
+def check_hyper_parameters(path: str | Path, trust: Any, where: str) -> dict[str, Any]:
+    """Refuse a checkpoint file whose ``hyper_parameters`` name code this call does not allow (`Allowed`), or
+    Lightning's instantiator keys; read with ``weights_only=True``, nothing imported. Returns the hyper-parameters
+    that name a module of an earlier layout, each at its current place (`multiloss.config.renamed`), the others left
+    out: what a load passes over the checkpoint's own."""
     import copy
 
     import torch
@@ -278,17 +280,8 @@ def renamed_hyper_parameters(path: str | Path) -> dict[str, Any]:
 
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     hyper_parameters = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
-    return {k: new for k, v in hyper_parameters.items() if (new := rename_targets(copy.deepcopy(v))) != v}
-
-
-def check_hyper_parameters(path: str | Path, trust: Any, where: str) -> None:
-    """Refuse a checkpoint file whose ``hyper_parameters`` name code this call does not allow (`Allowed`), or
-    Lightning's instantiator keys; read with ``weights_only=True``, nothing imported."""
-    import torch
-
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    hyper_parameters = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     Allowed(trust).check_tree(hyper_parameters, f"{where}'s hyper-parameters", "hyper_parameters")
+    return {k: new for k, v in hyper_parameters.items() if (new := rename_targets(copy.deepcopy(v))) != v}
 
 
 # --- a sharded checkpoint's .metadata ------------------------------------------------------------------------------
